@@ -1,0 +1,77 @@
+"""FeederDataset: a torch IterableDataset over one rank's feeder stream."""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from client.stream import ClientConfig, FeederBatch, FeederClient
+from feeder.config import StreamSpec
+
+
+class FeederDataset(IterableDataset):
+    """Streams one rank's batches (`FeederBatch`: .tokens, .sample_ids, .epoch, .cursor).
+
+    No gRPC object exists until iteration starts, so the dataset can be pickled to
+    DataLoader workers (fork or spawn) and each worker opens its own channel. With
+    num_workers=k, worker w streams batches w, w+k, ...; the DataLoader's round-robin
+    over workers restores the exact order. Use `batch_size=None`.
+    """
+
+    def __init__(self, targets: Sequence[str], job: str, rank: int, world_size: int, seq_len: int,
+                 micro_batch: int, seed: int = 0, shuffle: bool = True, drop_last: bool = False, epoch: int = 0,
+                 num_epochs: int = 1, cursor: bytes | None = None, *, compression: str = "zstd",
+                 compression_level: int = 3, reshard: bool = False, expected_fingerprint: str = "",
+                 dataset: str = "", read_ahead: int = 8, idle_timeout_s: float = 30.0, keepalive_s: float = 10.0,
+                 retry_for_s: float = 300.0):
+        if isinstance(targets, str):
+            targets = [targets]
+        self.spec = StreamSpec(job=job, rank=rank, world_size=world_size, seq_len=seq_len,
+                               micro_batch=micro_batch, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                               epoch=epoch, num_epochs=num_epochs, compression=compression,
+                               compression_level=compression_level, reshard=reshard,
+                               expected_fingerprint=expected_fingerprint, dataset=dataset)
+        self.targets = tuple(targets)
+        self.cursor = cursor
+        self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
+                              retry_for_s=retry_for_s)
+        ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
+        self.client: FeederClient | None = None
+
+    def __iter__(self) -> Iterator[FeederBatch]:
+        info = get_worker_info()
+        spec = self.spec
+        if info is not None and info.num_workers > 1:
+            spec = StreamSpec(**{**spec.__dict__, "worker_index": info.id, "num_workers": info.num_workers})
+        if self.client is not None:
+            self.client.close()
+        self.client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=self.cursor,
+                                                **self.transport))
+        try:
+            for batch in self.client:
+                self.cursor = batch.cursor
+                yield batch
+        finally:
+            self.client.close()
+
+    # torchdata's convention: the state is the cursor after the last batch yielded.
+    def state_dict(self) -> dict:
+        return {"version": 1, "job": self.spec.job, "rank": self.spec.rank, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"FeederDataset state version {state.get('version')!r} is not supported, expected 1")
+        self.cursor = state["cursor"]
+
+    @property
+    def data_wait_s(self) -> float:
+        return self.client.wait_s if self.client is not None else 0.0
+
+    @property
+    def region(self) -> str:
+        return self.client.region if self.client is not None else ""
+
+
+def collate_keep(batch):
+    return batch

@@ -1,0 +1,277 @@
+"""FeederClient: one rank's stream of batches, with bounded read-ahead and failover.
+
+A background thread reads the gRPC stream, decodes each batch into torch tensors and puts
+it in a queue of at most `read_ahead` batches. When a stream breaks (feeder killed,
+connection reset, feeder silent past `idle_timeout_s`), the thread reopens it on the next
+target from the cursor of the last batch it queued, so the consumer sees every batch once,
+in order, and never an error for a failure another feeder can cover.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field, replace
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import torch
+
+from feeder.config import StreamSpec
+from feeder.errors import Code, FeederError, Unavailable
+from feeder.v1 import feeder_pb2 as pb
+from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+log = logging.getLogger("client")
+
+DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_UINT32: np.dtype("<u4")}
+COMPRESSION = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
+# Failures another feeder (or the same one, later) can cover; anything else is the
+# caller's mistake or corrupt data, and is raised.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.RESOURCE_EXHAUSTED}
+CODES = {s: c for c in Code for s in grpc.StatusCode if s.name == c.name}
+
+
+@dataclass(frozen=True, slots=True)
+class FeederBatch:
+    tokens: torch.Tensor      # int64 [n, seq_len + 1]
+    sample_ids: torch.Tensor  # int64 [n]
+    epoch: int
+    step: int
+    cursor: bytes             # pass as cursor= to resume right after this batch
+    region: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    targets: tuple[str, ...]
+    spec: StreamSpec
+    cursor: bytes | None = None
+    read_ahead: int = 8               # batches decoded ahead of the consumer
+    idle_timeout_s: float = 30.0      # a feeder silent this long while we wait is abandoned
+    keepalive_s: float = 10.0         # HTTP/2 pings detect a dead link within keepalive + timeout
+    keepalive_timeout_s: float = 5.0
+    retry_for_s: float = 300.0        # give up after failing this long without a batch
+    report_every_s: float = 5.0
+
+    def __post_init__(self):
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise FeederError(f"targets must be a non-empty list of HOST:PORT strings, got {self.targets!r}",
+                              code=Code.INVALID_ARGUMENT)
+        if self.read_ahead < 1:
+            raise FeederError(f"read_ahead must be >= 1, got {self.read_ahead}", code=Code.INVALID_ARGUMENT)
+
+
+def channel_options(cfg: ClientConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", 256 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.lookahead_bytes", 4 << 20),
+        ("grpc.enable_retries", 0),  # streams are resumed from the cursor, not retried by gRPC
+        # Each client gets its own connection: ranks in one process must not share (and stall) one.
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+
+
+def decode(b: pb.Batch, region: str = "") -> FeederBatch:
+    dtype = DTYPES.get(b.dtype)
+    if dtype is None:
+        raise FeederError(f"batch has unknown dtype {b.dtype}", code=Code.DATA_LOSS)
+    if b.compression == pb.COMPRESSION_ZSTD:
+        raw = pa.Codec("zstd").decompress(b.tokens, decompressed_size=b.raw_size)
+    else:
+        raw = b.tokens
+    if zlib.crc32(raw) != b.crc32:
+        raise FeederError(f"batch epoch {b.epoch} step {b.step} failed its crc32 check", code=Code.DATA_LOSS)
+    arr = np.frombuffer(raw, dtype=dtype).reshape(b.n, b.sample_len)
+    tokens = torch.empty((b.n, b.sample_len), dtype=torch.int64)
+    np.copyto(tokens.numpy(), arr, casting="unsafe")  # widen straight into the tensor's memory
+    ids = torch.from_numpy(np.frombuffer(b.sample_ids, dtype="<i8").astype(np.int64))
+    return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region)
+
+
+_END = object()
+
+
+class FeederClient:
+    """Iterate to get one rank's batches. Create it in the process that uses it (after fork)."""
+
+    def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
+        self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
+        self.region = ""
+        self.target_index = 0
+        self.failovers = 0
+        self.wait_s = 0.0                 # time the consumer spent waiting in __next__
+        self._q: queue.Queue = queue.Queue(maxsize=cfg.read_ahead)
+        self._stop = threading.Event()
+        self._call = None
+        self._lock = threading.Lock()
+        self._waiting_since: float | None = None
+        self._idle_cancelled = False
+        self._channels: dict[str, grpc.Channel] = {}
+        self._report = [0.0, 0.0, 0, time.monotonic()]  # wait, step, batches, since
+        self._last_next = None
+        self._thread = threading.Thread(target=self._run, name=f"feeder-client-r{cfg.spec.rank}", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="feeder-client-watchdog", daemon=True)
+        self._thread.start()
+        self._watchdog.start()
+
+    # consumer side
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> FeederBatch:
+        t0 = time.monotonic()
+        item = self._q.get()
+        t1 = time.monotonic()
+        self.wait_s += t1 - t0
+        if self._last_next is not None:
+            r = self._report
+            r[0] += t1 - t0
+            r[1] += t1 - self._last_next
+            r[2] += 1
+        self._last_next = t1
+        if item is _END:
+            self._q.put(_END)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._q.put(item)
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        try:  # unblock a reader waiting for room
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(5)
+        for ch in self._channels.values():
+            ch.close()
+
+    def __del__(self):
+        try:
+            self._stop.set()
+        except Exception:
+            pass
+
+    # reader side
+    def _request(self) -> pb.StreamRequest:
+        s = self.cfg.spec
+        return pb.StreamRequest(
+            job=s.job, rank=s.rank, world_size=s.world_size, seq_len=s.seq_len, micro_batch=s.micro_batch,
+            seed=s.seed, shuffle=s.shuffle, drop_last=s.drop_last, epoch=s.epoch, num_epochs=s.num_epochs,
+            cursor=self.cursor or b"", compression=COMPRESSION[s.compression],
+            compression_level=s.compression_level, worker_index=s.worker_index, num_workers=s.num_workers,
+            reshard=s.reshard and self.cursor == self.cfg.cursor, expected_fingerprint=s.expected_fingerprint,
+            dataset=s.dataset)
+
+    def _channel(self, target: str) -> grpc.Channel:
+        ch = self._channels.get(target)
+        if ch is None:
+            ch = self._channels[target] = grpc.insecure_channel(target, options=channel_options(self.cfg))
+        return ch
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        targets = self.cfg.targets
+        failing_since: float | None = None
+        last_error = ""
+        attempt = 0
+        while not self._stop.is_set():
+            target = targets[self.target_index % len(targets)]
+            try:
+                stub = pb_grpc.FeederStub(self._channel(target))
+                call = stub.Stream(self._request(), wait_for_ready=False)
+                with self._lock:
+                    self._call, self._idle_cancelled = call, False
+                got_any = False
+                while True:
+                    self._waiting_since = time.monotonic()
+                    try:
+                        reply = next(call)
+                    except StopIteration:
+                        self._put(_END)
+                        return
+                    finally:
+                        self._waiting_since = None
+                    self.region = reply.region
+                    for b in reply.batches:
+                        item = decode(b, reply.region)
+                        if not self._put(item):
+                            return
+                        self.cursor = b.cursor
+                    if not got_any:
+                        got_any, failing_since, attempt = True, None, 0
+                    self._maybe_report(stub)
+            except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
+                code = e.code()
+                if code not in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not self._idle_cancelled
+                                             and self._stop.is_set()):
+                    self._put(FeederError(f"feeder {target}: {e.details()}", code=CODES.get(code, Code.INTERNAL)))
+                    return
+                why = "silent past the idle timeout" if self._idle_cancelled else f"{code.name}: {e.details()}"
+                last_error = f"{target}: {why}"
+            except FeederError as e:  # corrupt batch: never served; another feeder may have good data
+                last_error = f"{target}: {e}"
+                if e.code != Code.DATA_LOSS:
+                    self._put(e)
+                    return
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if now - failing_since > self.cfg.retry_for_s:
+                self._put(Unavailable(f"no feeder could serve rank {self.cfg.spec.rank} for "
+                                      f"{self.cfg.retry_for_s:.0f}s; last error: {last_error}"))
+                return
+            self.target_index += 1
+            self.failovers += 1
+            attempt += 1
+            log.warning("stream broke (%s); failing over to %s", last_error,
+                        targets[self.target_index % len(targets)])
+            if attempt >= len(targets):  # a whole round failed: back off before the next
+                self._stop.wait(min(2.0, 0.05 * 2 ** min(attempt - len(targets), 6)))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.cfg.idle_timeout_s / 4)):
+            since = self._waiting_since
+            if since is not None and time.monotonic() - since > self.cfg.idle_timeout_s:
+                with self._lock:
+                    if self._call is not None and self._waiting_since == since:
+                        self._idle_cancelled = True
+                        self._call.cancel()
+
+    def _maybe_report(self, stub) -> None:
+        r = self._report
+        if time.monotonic() - r[3] < self.cfg.report_every_s or r[2] == 0:
+            return
+        wait, step, n = r[0], r[1], r[2]
+        self._report = [0.0, 0.0, 0, time.monotonic()]
+        try:
+            stub.Report(pb.ReportRequest(job=self.cfg.spec.job, rank=self.cfg.spec.rank, wait_s=wait,
+                                         step_s=step, batches=n), timeout=2)
+        except grpc.RpcError:
+            pass  # reporting is best effort; the data path must not suffer for it

@@ -1,0 +1,127 @@
+"""`feeder prep | serve | status`: the command line. User mistakes end in one clear line
+(exit 2), never a traceback."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from feeder.errors import FeederError
+
+EXIT_USER = 2
+
+
+def _secret(args) -> bytes:
+    if getattr(args, "cursor_secret_file", None):
+        with open(args.cursor_secret_file, "rb") as f:
+            return f.read().strip()
+    return os.environ.get("FEEDER_CURSOR_SECRET", "").encode()
+
+
+def cmd_prep(args) -> int:
+    from feeder.config import PrepConfig
+    from feeder.prep import prep
+
+    cfg = PrepConfig(inputs=tuple(args.inputs), out=args.out, tokenizer=args.tokenizer, eos_token=args.eos_token,
+                     shard_tokens=args.shard_tokens, chunk_tokens=args.chunk_tokens, workers=args.workers,
+                     progress=not args.quiet)
+    m = prep(cfg, force=args.force)
+    print(f"wrote {len(m.shards)} shard(s), {m.n_documents:,} documents, {m.n_tokens:,} tokens to {args.out} "
+          f"(vocab {m.vocab_size}, {m.dtype}, fingerprint {m.fingerprint[:16]})")
+    return 0
+
+
+def serve_config(args):
+    from feeder.config import ServeConfig
+
+    return ServeConfig(source=args.source, listen=args.listen, region=args.region,
+                       prefetch_messages=args.prefetch_messages, prefetch_bytes=args.prefetch_bytes,
+                       message_bytes=args.message_bytes, default_compression=args.compression,
+                       default_level=args.compression_level, threads=args.threads, cursor_secret=_secret(args),
+                       grace_s=args.grace, vocab_size=args.vocab_size, eos_id=args.eos_id,
+                       log_format=args.log_format)
+
+
+def cmd_serve(args) -> int:
+    from feeder import logs
+    from feeder.service.server import new_loop, serve_forever
+
+    cfg = serve_config(args)
+    logs.setup(cfg.log_format)
+
+    def ready(server):
+        print(f"feeder region={cfg.region} listening on {server.address}", flush=True)
+
+    loop = new_loop()
+    try:
+        loop.run_until_complete(serve_forever(cfg, ready))
+    finally:
+        loop.close()
+    return 0
+
+
+def cmd_status(args) -> int:
+    from feeder.status import show
+
+    return show(args.target, job=args.job, watch=args.watch, interval=args.interval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="feeder", description="Token feeder: prepare datasets and serve token "
+                                "batches to training ranks over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("prep", help="tokenize documents into Arrow IPC shards + manifest.json")
+    s.add_argument("inputs", nargs="+", help=".jsonl (field text), .txt (one document), .parquet (column text), "
+                   ".tfrecord (int64 input_ids)")
+    s.add_argument("--out", required=True, help="output directory (a Lustre path in production)")
+    s.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
+    s.add_argument("--eos-token", default="", help="end-of-document token of a tokenizer.json")
+    s.add_argument("--shard-tokens", type=int, default=64 << 20, help="tokens per shard file")
+    s.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per record batch (checksum unit)")
+    s.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: one per core)")
+    s.add_argument("--force", action="store_true", help="replace a dataset already in --out")
+    s.add_argument("--quiet", action="store_true", help="no progress output")
+    s.set_defaults(fn=cmd_prep)
+
+    s = sub.add_parser("serve", help="serve a dataset to training ranks")
+    s.add_argument("--source", required=True, help="dataset directory (manifest.json, or Parquet token files)")
+    s.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (port 0: any free port)")
+    s.add_argument("--region", default="local")
+    s.add_argument("--prefetch-messages", type=int, default=8, help="messages queued ahead per stream")
+    s.add_argument("--prefetch-bytes", type=int, default=32 << 20, help="bytes queued ahead per stream")
+    s.add_argument("--message-bytes", type=int, default=1 << 20, help="target size of one stream message")
+    s.add_argument("--compression", default="zstd", choices=["zstd", "none"], help="default for streams")
+    s.add_argument("--compression-level", type=int, default=3)
+    s.add_argument("--threads", type=int, default=4, help="batch-building threads")
+    s.add_argument("--cursor-secret-file", help="file with the deployment's cursor secret "
+                   "(or env FEEDER_CURSOR_SECRET); all feeders of a deployment share it")
+    s.add_argument("--grace", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
+    s.add_argument("--vocab-size", type=int, default=0, help="Parquet token datasets without manifest.json")
+    s.add_argument("--eos-id", type=int, default=-1, help="Parquet token datasets without manifest.json")
+    s.add_argument("--log-format", default="text", choices=["text", "json"])
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("status", help="show a feeder's jobs and ranks")
+    s.add_argument("--target", required=True, help="feeder HOST:PORT")
+    s.add_argument("--job", default="", help="only this job")
+    s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    s.add_argument("--interval", type=float, default=2.0)
+    s.set_defaults(fn=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FeederError as e:
+        print(f"feeder {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Frozen, keyword-only configuration. Every value is checked in __post_init__ and a bad
+one raises InvalidArgument saying what was given and what was expected."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from feeder.errors import InvalidArgument
+
+COMPRESSIONS = ("none", "zstd")
+MAX_SEQ_LEN = 1 << 20
+MAX_MICRO_BATCH = 1 << 16
+
+
+def _positive(name: str, value: int, *, upper: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+    if upper is not None and value > upper:
+        raise InvalidArgument(f"{name} must be at most {upper}, got {value}")
+
+
+def _non_negative(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _compression(name: str, value: str, level: int) -> None:
+    if value not in COMPRESSIONS:
+        raise InvalidArgument(f"{name} must be one of {', '.join(COMPRESSIONS)}, got {value!r}")
+    if value == "zstd" and not -7 <= level <= 22:
+        raise InvalidArgument(f"zstd level must be in [-7, 22], got {level}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamSpec:
+    """One rank's request, validated. Everything that decides which samples it gets."""
+
+    job: str
+    rank: int
+    world_size: int
+    seq_len: int
+    micro_batch: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    epoch: int = 0
+    num_epochs: int = 1          # 0: no end
+    compression: str = "zstd"
+    compression_level: int = 3
+    worker_index: int = 0
+    num_workers: int = 1
+    reshard: bool = False
+    expected_fingerprint: str = ""
+    dataset: str = ""
+
+    def __post_init__(self):
+        if not self.job or len(self.job) > 256 or not self.job.isprintable():
+            raise InvalidArgument(f"job must be a printable name of 1..256 characters, got {self.job!r}")
+        _positive("world_size", self.world_size, upper=1 << 20)
+        _non_negative("rank", self.rank)
+        if self.rank >= self.world_size:
+            raise InvalidArgument(f"rank must be < world_size ({self.world_size}), got {self.rank}")
+        _positive("seq_len", self.seq_len, upper=MAX_SEQ_LEN)
+        _positive("micro_batch", self.micro_batch, upper=MAX_MICRO_BATCH)
+        _non_negative("seed", self.seed)
+        _non_negative("epoch", self.epoch)
+        _non_negative("num_epochs", self.num_epochs)
+        _compression("compression", self.compression, self.compression_level)
+        _positive("num_workers", self.num_workers, upper=1024)
+        if not 0 <= self.worker_index < self.num_workers:
+            raise InvalidArgument(
+                f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index}")
+
+    @property
+    def end_epoch(self) -> int | None:
+        return None if self.num_epochs == 0 else self.epoch + self.num_epochs
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    source: str
+    listen: str = "127.0.0.1:7070"
+    region: str = "local"
+    # Per-stream prefetch: at most this many messages and bytes wait in the queue.
+    prefetch_messages: int = 8
+    prefetch_bytes: int = 32 << 20
+    # Several micro-batches are packed into one message up to this size: Python gRPC
+    # moves far more bytes/s with ~1 MiB messages than with small ones.
+    message_bytes: int = 1 << 20
+    default_compression: str = "zstd"
+    default_level: int = 3
+    threads: int = 4
+    cursor_secret: bytes = field(default=b"", repr=False)
+    grace_s: float = 10.0
+    vocab_size: int = 0          # only for Parquet datasets without manifest.json
+    eos_id: int = -1
+    log_format: str = "text"
+
+    def __post_init__(self):
+        if not self.source:
+            raise InvalidArgument("source must name a dataset directory, got ''")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise InvalidArgument(f"listen must be HOST:PORT, got {self.listen!r}")
+        _positive("prefetch_messages", self.prefetch_messages)
+        _positive("prefetch_bytes", self.prefetch_bytes)
+        _positive("message_bytes", self.message_bytes, upper=64 << 20)
+        _compression("default_compression", self.default_compression, self.default_level)
+        _positive("threads", self.threads, upper=256)
+        if self.log_format not in ("text", "json"):
+            raise InvalidArgument(f"log_format must be text or json, got {self.log_format!r}")
+
+    def replace(self, **changes) -> "ServeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepConfig:
+    inputs: tuple[str, ...]
+    out: str
+    tokenizer: str = "byte"          # "byte" or a path to a Hugging Face tokenizer.json
+    eos_token: str = ""              # HF tokenizers: which token ends a document
+    shard_tokens: int = 64 << 20     # a shard file is closed once it holds this many tokens
+    chunk_tokens: int = 1 << 20      # a record batch (the unit checksummed when read)
+    workers: int = 0                 # 0: one per core
+    batch_docs: int = 256            # documents per unit of parallel work
+    progress: bool = True
+
+    def __post_init__(self):
+        if not self.inputs:
+            raise InvalidArgument("feeder prep needs at least one input file, got none")
+        if not self.out:
+            raise InvalidArgument("--out must name a directory, got ''")
+        _positive("shard_tokens", self.shard_tokens)
+        _positive("chunk_tokens", self.chunk_tokens)
+        _non_negative("workers", self.workers)
+        _positive("batch_docs", self.batch_docs)

@@ -1,0 +1,85 @@
+"""Cursor: where one rank's stream stands, as an opaque, versioned, authenticated token.
+
+Pure: no I/O. Layout (big-endian):
+    b"FC" | version u8 | kind u8 | body | HMAC-SHA256(secret, everything before)[:16]
+The MAC makes a tampered, truncated or foreign (other deployment's secret) cursor fail
+verification; the fields then let the feeder say precisely which one does not match.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+from feeder.errors import FailedPrecondition
+
+MAGIC = b"FC"
+VERSION = 1
+KIND_SAMPLED = 1
+MAC_LEN = 16
+# Used when a deployment sets no secret: fine on one machine, never across a real fleet.
+DEV_SECRET = b"feeder-development-secret-not-for-production"
+
+_FIXED = struct.Struct(">QBBIIIIQQQ")  # seed flags seq_len world rank epoch base pos step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cursor:
+    job: str
+    fingerprint: str
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    seq_len: int
+    world_size: int
+    rank: int
+    epoch: int
+    base: int      # start of the current segment in the epoch's global order (elastic)
+    pos: int       # samples of this rank's segment list already delivered
+    step: int      # batches already delivered in this epoch
+
+    def encode(self, secret: bytes) -> bytes:
+        job = self.job.encode()
+        fp = self.fingerprint.encode()
+        flags = (1 if self.shuffle else 0) | (2 if self.drop_last else 0)
+        body = b"".join([
+            MAGIC, bytes([VERSION, KIND_SAMPLED]),
+            struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp,
+            _FIXED.pack(self.seed, flags, 0, self.seq_len, self.world_size, self.rank,
+                        self.epoch, self.base, self.pos, self.step),
+        ])
+        return body + _mac(secret, body)
+
+    @classmethod
+    def decode(cls, data: bytes, secret: bytes) -> "Cursor":
+        if len(data) < 4 + MAC_LEN or data[:2] != MAGIC:
+            raise FailedPrecondition(
+                f"cursor is not a feeder cursor ({len(data)} bytes, expected one returned with a batch)")
+        if data[2] != VERSION:
+            raise FailedPrecondition(f"cursor version {data[2]} is not supported, expected {VERSION}")
+        body, mac = data[:-MAC_LEN], data[-MAC_LEN:]
+        if not hmac.compare_digest(mac, _mac(secret, body)):
+            raise FailedPrecondition(
+                "cursor failed verification: it was altered, truncated, or issued by a feeder "
+                "with another cursor secret")
+        if body[3] != KIND_SAMPLED:
+            raise FailedPrecondition(f"cursor kind {body[3]} cannot resume this stream")
+        try:
+            at = 4
+            (jl,) = struct.unpack_from(">H", body, at)
+            job = body[at + 2:at + 2 + jl].decode()
+            at += 2 + jl
+            (fl,) = struct.unpack_from(">H", body, at)
+            fp = body[at + 2:at + 2 + fl].decode()
+            at += 2 + fl
+            seed, flags, _, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
+        except (struct.error, UnicodeDecodeError) as e:
+            raise FailedPrecondition(f"cursor is malformed: {e}") from None
+        return cls(job=job, fingerprint=fp, seed=seed, shuffle=bool(flags & 1),
+                   drop_last=bool(flags & 2), seq_len=seq_len, world_size=world, rank=rank,
+                   epoch=epoch, base=base, pos=pos, step=step)
+
+
+def _mac(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret or DEV_SECRET, body, hashlib.sha256).digest()[:MAC_LEN]

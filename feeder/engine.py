@@ -1,0 +1,76 @@
+"""The feeder's domain core: datasets, jobs and open streams. No gRPC here; the servicer
+translates requests into StreamSpecs and FeederErrors into status codes."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from feeder.config import ServeConfig, StreamSpec
+from feeder.cursor import Cursor
+from feeder.errors import FailedPrecondition, NotFound
+from feeder.pipeline.plan import StreamPlan
+from feeder.pipeline.stream import Jobs, RankStream
+from feeder.sources import TokenSource
+
+log = logging.getLogger("feeder.engine")
+
+
+class Engine:
+    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource]):
+        self.cfg = cfg
+        self.sources = sources
+        self.default = next(iter(sources))
+        self.jobs = Jobs()
+        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
+        self.started = time.monotonic()
+        self.version = __import__("feeder").__version__
+
+    def source(self, name: str) -> TokenSource:
+        src = self.sources.get(name or self.default)
+        if src is None:
+            raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})")
+        return src
+
+    def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "") -> RankStream:
+        src = self.source(spec.dataset)
+        if spec.expected_fingerprint and spec.expected_fingerprint != src.fingerprint:
+            raise FailedPrecondition(
+                f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
+                f"replica of {src.name!r} (region {self.cfg.region}) has {src.fingerprint}; refusing to serve "
+                "other data")
+        decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
+        plan = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=decoded)
+        stream = RankStream(spec, plan, src, self.cfg, self.pool)
+        stream.state = self.jobs.attach(spec, stream)
+        stream.state.peer = peer
+        stream.state.last_error = ""
+        log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s",
+                 spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,
+                 plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "")
+        return stream
+
+    def close_stream(self, stream: RankStream, reason: str) -> None:
+        self.jobs.detach(stream.spec, stream)
+        if stream.state is not None and reason not in ("finished", "cancelled by client"):
+            stream.state.last_error = reason
+        log.info("stream closed job=%s rank=%d: %s", stream.spec.job, stream.spec.rank, reason)
+
+    def report(self, job: str, rank: int, wait_s: float, step_s: float) -> None:
+        j = self.jobs.get(job)
+        st = j.ranks.get(rank)
+        if st is None:
+            raise NotFound(f"job {job!r} has no rank {rank} on this feeder (ranks: {sorted(j.ranks)})")
+        st.wait_s += max(0.0, wait_s)
+        st.step_s += max(0.0, step_s)
+
+    def rss_mb(self) -> float:
+        try:
+            with open(f"/proc/{os.getpid()}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except OSError:
+            return 0.0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Packing, batching, compression and bounded prefetch. Threads live only here."""

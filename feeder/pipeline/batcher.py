@@ -1,0 +1,62 @@
+"""Planned batch -> encoded batch: gather samples from the source, narrow, checksum, compress.
+
+Runs on the prefetch threads; numpy copies, crc32 and zstd all release the GIL.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from feeder.pipeline.plan import PlannedBatch
+from feeder.sources import TokenSource
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBatch:
+    epoch: int
+    step: int
+    n: int
+    sample_len: int
+    dtype: str             # "uint16" | "uint32"
+    compression: str       # "none" | "zstd"
+    tokens: bytes
+    sample_ids: bytes      # little-endian int64
+    cursor: bytes
+    raw_size: int
+    crc32: int
+
+    @property
+    def wire_bytes(self) -> int:
+        return len(self.tokens) + len(self.sample_ids) + len(self.cursor) + 32
+
+
+def gather(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """[k, seq_len + 1] tokens in the source's (narrow) dtype; sample i starts at i * seq_len."""
+    out = np.empty((len(ids), seq_len + 1), dtype=source.dtype)
+    for row, sample in zip(out, ids.tolist()):
+        source.read(sample * seq_len, row)
+    return out
+
+
+_CODECS: dict[int, pa.Codec] = {}
+
+
+def _zstd(level: int) -> pa.Codec:
+    codec = _CODECS.get(level)
+    if codec is None:
+        codec = _CODECS[level] = pa.Codec("zstd", compression_level=level)
+    return codec
+
+
+def encode(source: TokenSource, planned: PlannedBatch, *, seq_len: int, compression: str, level: int,
+           secret: bytes) -> EncodedBatch:
+    tokens = gather(source, planned.ids, seq_len)
+    raw = memoryview(tokens).cast("B")
+    payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw.tobytes()
+    return EncodedBatch(epoch=planned.epoch, step=planned.step, n=len(planned.ids), sample_len=seq_len + 1,
+                        dtype=source.dtype.name, compression=compression, tokens=payload,
+                        sample_ids=planned.ids.astype("<i8").tobytes(), cursor=planned.cursor.encode(secret),
+                        raw_size=raw.nbytes, crc32=zlib.crc32(raw))

@@ -1,0 +1,95 @@
+"""A rank's stream as a sequence of planned batches: ids and the cursor after each.
+
+No threads, no I/O: the arithmetic of where a stream starts (fresh, resumed, or re-dealt
+to another world size) and which ids each batch holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from feeder import sampler
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor
+from feeder.errors import FailedPrecondition
+
+
+@dataclass(frozen=True)
+class Start:
+    epoch: int
+    base: int
+    world: int
+    pos: int
+    step: int
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    epoch: int
+    step: int
+    ids: np.ndarray        # int64 [k]
+    cursor: Cursor         # resume right after this batch
+    samples_in_epoch: int  # this rank's total for the epoch (for progress)
+
+
+class StreamPlan:
+    def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None):
+        self.spec = spec
+        self.fingerprint = fingerprint
+        self.n = sampler.n_samples(n_tokens, spec.seq_len)
+        if self.n == 0:
+            raise FailedPrecondition(f"the dataset has {n_tokens} tokens, too few for one sample of "
+                                     f"seq_len + 1 = {spec.seq_len + 1} tokens")
+        if sampler.per_rank(self.n, spec.world_size, spec.drop_last) == 0:
+            raise FailedPrecondition(f"the dataset yields {self.n} samples of seq_len {spec.seq_len}, fewer than "
+                                     f"world_size {spec.world_size}: with drop_last every rank would get none")
+        self.start = self._start(cursor)
+
+    def _start(self, c: Cursor | None) -> Start:
+        s = self.spec
+        if c is None:
+            return Start(epoch=s.epoch, base=0, world=s.world_size, pos=0, step=0)
+        mismatches = [(name, theirs, ours) for name, theirs, ours in (
+            ("job", c.job, s.job),
+            ("dataset fingerprint", c.fingerprint, self.fingerprint),
+            ("seq_len", c.seq_len, s.seq_len),
+            ("seed", c.seed, s.seed),
+            ("shuffle", c.shuffle, s.shuffle),
+            ("drop_last", c.drop_last, s.drop_last),
+        ) if theirs != ours]
+        if not s.reshard:
+            mismatches += [(name, theirs, ours) for name, theirs, ours in (
+                ("world_size", c.world_size, s.world_size), ("rank", c.rank, s.rank)) if theirs != ours]
+        if mismatches:
+            name, theirs, ours = mismatches[0]
+            hint = " (set reshard to re-deal the epoch's remaining samples over a new world size)" \
+                if name in ("world_size", "rank") else ""
+            raise FailedPrecondition(f"cursor does not fit this stream: {name} differs: the cursor has "
+                                     f"{theirs!r}, the request has {ours!r}{hint}")
+        if s.reshard:
+            base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
+            return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
+        return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)
+
+    def batches(self) -> Iterator[PlannedBatch]:
+        s, n = self.spec, self.n
+        epoch, end = self.start.epoch, s.end_epoch
+        while end is None or epoch < end:
+            order = sampler.epoch_order(n, s.seed, epoch, s.shuffle)
+            if epoch == self.start.epoch:
+                base, world, pos, step = self.start.base, self.start.world, self.start.pos, self.start.step
+            else:
+                base, world, pos, step = 0, s.world_size, 0, 0
+            per = sampler.per_rank(n - base, world, s.drop_last)
+            while pos < per:
+                stop = min(pos + s.micro_batch, per)
+                ids = sampler.rank_ids(order, base=base, world=world, rank=s.rank, drop_last=s.drop_last,
+                                       start=pos, stop=stop)
+                cursor = Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
+                                drop_last=s.drop_last, seq_len=s.seq_len, world_size=world, rank=s.rank,
+                                epoch=epoch, base=base, pos=stop, step=step + 1)
+                yield PlannedBatch(epoch=epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=per)
+                pos, step = stop, step + 1
+            epoch += 1

@@ -1,0 +1,230 @@
+"""Open streams: the job registry, per-rank state, and the bounded prefetch queue.
+
+Each stream has one producer task that builds whole messages (several encoded batches, up
+to `message_bytes`) on the shared thread pool and puts them in a queue bounded both in
+messages and bytes. However slowly the peer reads, a stream holds at most that budget.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+from feeder.config import ServeConfig, StreamSpec
+from feeder.errors import FailedPrecondition, FeederError, NotFound
+from feeder.pipeline.batcher import EncodedBatch, encode
+from feeder.pipeline.plan import PlannedBatch, StreamPlan
+from feeder.sources import TokenSource
+
+log = logging.getLogger("feeder.stream")
+
+
+@dataclass
+class RankState:
+    """What status and metrics show about one rank of one job."""
+
+    rank: int
+    connected: bool = False
+    epoch: int = 0
+    samples_done: int = 0
+    samples_in_epoch: int = 0
+    batches_sent: int = 0
+    bytes_sent: int = 0
+    raw_bytes_sent: int = 0
+    tokens_sent: int = 0
+    queue_depth: int = 0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+    last_error: str = ""
+    peer: str = ""
+    streams_opened: int = 0
+    rate_tokens: float = 0.0     # tokens/s, smoothed
+    _rate_t: float = field(default_factory=time.monotonic)
+    _rate_tokens: int = 0
+
+    def sent(self, batches: list[EncodedBatch], wire: int) -> None:
+        now = time.monotonic()
+        toks = sum(b.raw_size // (2 if b.dtype == "uint16" else 4) for b in batches)
+        self.batches_sent += len(batches)
+        self.bytes_sent += wire
+        self.raw_bytes_sent += sum(b.raw_size for b in batches)
+        self.tokens_sent += toks
+        self._rate_tokens += toks
+        if now - self._rate_t >= 1.0:
+            rate = self._rate_tokens / (now - self._rate_t)
+            self.rate_tokens = rate if self.rate_tokens == 0 else 0.5 * self.rate_tokens + 0.5 * rate
+            self._rate_t, self._rate_tokens = now, 0
+
+    @property
+    def data_wait_fraction(self) -> float:
+        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
+
+
+@dataclass
+class Job:
+    job: str
+    dataset: str
+    key: tuple          # the parameters every rank of the job must share
+    world_size: int
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
+
+
+def job_key(spec: StreamSpec) -> tuple:
+    return (spec.dataset, spec.world_size, spec.seq_len, spec.seed, spec.shuffle, spec.drop_last)
+
+
+KEY_NAMES = ("dataset", "world_size", "seq_len", "seed", "shuffle", "drop_last")
+
+
+class Jobs:
+    """All jobs this feeder serves. Event-loop only (no locks needed)."""
+
+    def __init__(self):
+        self.jobs: dict[str, Job] = {}
+
+    def get(self, job: str) -> Job:
+        j = self.jobs.get(job)
+        if j is None:
+            raise NotFound(f"job {job!r} is not known to this feeder (known: {sorted(self.jobs) or 'none'})")
+        return j
+
+    def attach(self, spec: StreamSpec, stream: "RankStream") -> RankState:
+        key = job_key(spec)
+        j = self.jobs.get(spec.job)
+        if j is not None and j.key != key:
+            if j.streams:
+                # Live ranks define the job; a rank with other parameters would get other samples.
+                name, ours, theirs = next((n, a, b) for n, a, b in zip(KEY_NAMES, j.key, key) if a != b)
+                raise FailedPrecondition(f"job {spec.job!r} is running with {name}={ours!r}; this stream asks for "
+                                         f"{name}={theirs!r}. Every rank of a job must agree.")
+            j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
+        if j is None:
+            j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size)
+        slot = (spec.rank, spec.worker_index)
+        old = j.streams.get(slot)
+        if old is not None:
+            # The newest stream of a rank wins: an older one is a peer that failed over or restarted.
+            old.supersede()
+        j.streams[slot] = stream
+        state = j.ranks.setdefault(spec.rank, RankState(rank=spec.rank))
+        state.connected = True
+        state.streams_opened += 1
+        return state
+
+    def detach(self, spec: StreamSpec, stream: "RankStream") -> None:
+        j = self.jobs.get(spec.job)
+        if j is None:
+            return
+        slot = (spec.rank, spec.worker_index)
+        if j.streams.get(slot) is stream:
+            del j.streams[slot]
+        if not any(r == spec.rank for r, _ in j.streams):
+            j.ranks[spec.rank].connected = False
+
+    @property
+    def streams_open(self) -> int:
+        return sum(len(j.streams) for j in self.jobs.values())
+
+
+class RankStream:
+    def __init__(self, spec: StreamSpec, plan: StreamPlan, source: TokenSource, cfg: ServeConfig,
+                 pool: ThreadPoolExecutor):
+        self.spec, self.plan, self.source, self.cfg, self.pool = spec, plan, source, cfg, pool
+        self.state: RankState | None = None
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.prefetch_messages)
+        self._queued_bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        self._superseded = False
+        self._producer: asyncio.Task | None = None
+
+    def supersede(self) -> None:
+        self._superseded = True
+        if self._producer is not None:
+            self._producer.cancel()
+
+    def _selected(self) -> Iterator[PlannedBatch]:
+        k, w, i = 0, self.spec.num_workers, self.spec.worker_index
+        for planned in self.plan.batches():
+            if k % w == i:
+                yield planned
+            k += 1
+
+    def _build_message(self, it: Iterator[PlannedBatch]) -> list[EncodedBatch] | None:
+        """Runs on a pool thread: encode batches until the message is big enough."""
+        out, size = [], 0
+        s = self.spec
+        for planned in it:
+            b = encode(self.source, planned, seq_len=s.seq_len, compression=s.compression,
+                       level=s.compression_level, secret=self.cfg.cursor_secret)
+            out.append(b)
+            size += b.wire_bytes
+            if size >= self.cfg.message_bytes:
+                break
+        self._last_planned = planned if out else None
+        return out or None
+
+    async def _produce(self) -> None:
+        loop = asyncio.get_running_loop()
+        it = self._selected()
+        try:
+            while True:
+                msg = await loop.run_in_executor(self.pool, self._build_message, it)
+                if msg is None:
+                    break
+                size = sum(b.wire_bytes for b in msg)
+                # Byte budget: wait until the consumer has drained enough (one message always fits).
+                while self._queued_bytes > 0 and self._queued_bytes + size > self.cfg.prefetch_bytes:
+                    self._room.clear()
+                    await self._room.wait()
+                self._queued_bytes += size
+                await self._queue.put((msg, size, self._last_planned.samples_in_epoch))
+            await self._queue.put(None)
+        except asyncio.CancelledError:
+            raise
+        except FeederError as e:
+            await self._queue.put(e)
+        except Exception as e:  # a bug: still end the stream with an error, never hang it
+            log.exception("stream %s rank %d: producer failed", self.spec.job, self.spec.rank)
+            await self._queue.put(e)
+
+    async def messages(self) -> AsyncIterator[list[EncodedBatch]]:
+        self._producer = asyncio.create_task(self._produce())
+        try:
+            while True:
+                get = asyncio.ensure_future(self._queue.get())
+                done, _ = await asyncio.wait({get, self._producer}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    if self._superseded:
+                        raise FailedPrecondition(
+                            f"stream of job {self.spec.job!r} rank {self.spec.rank} was replaced by a newer "
+                            "stream of the same rank")
+                    self._producer.result()  # re-raises what ended it
+                    continue
+                item = get.result()
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                msg, size, per = item
+                self._queued_bytes -= size
+                self._room.set()
+                st = self.state
+                if st is not None:
+                    last = msg[-1]
+                    st.epoch, st.samples_in_epoch = last.epoch, per
+                    st.samples_done = min(per, (last.step + 1) * self.spec.micro_batch)
+                    st.queue_depth = self._queue.qsize()
+                yield msg
+        finally:
+            if not self._producer.done():
+                self._producer.cancel()
+                try:
+                    await self._producer
+                except (asyncio.CancelledError, Exception):
+                    pass

@@ -1,0 +1,82 @@
+"""Which rank gets which sample: exactly torch's DistributedSampler, plus elastic re-dealing.
+
+Pure: no I/O, no gRPC. The permutation comes from torch.randperm itself (same generator,
+same seed + epoch) so ids match torch id by id; everything else is integer arithmetic.
+
+A *segment* generalises DistributedSampler for elastic restarts: the epoch's global order
+from position `base` on is dealt over `world` ranks with DistributedSampler's padding or
+dropping. base = 0 is exactly DistributedSampler. When ranks that each consumed `pos`
+samples of segment (base, W) restart with another world size, the next segment starts at
+base + W * pos: those are exactly the samples already consumed (the rank lists interleave
+the global order), so nothing is lost or repeated.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+
+def n_samples(n_tokens: int, seq_len: int) -> int:
+    """Samples cut from a packed stream of n_tokens: sample i is tokens [i*L, i*L + L + 1)."""
+    return max(0, (n_tokens - 1) // seq_len)
+
+
+def per_rank(m: int, world: int, drop_last: bool) -> int:
+    """DistributedSampler.num_samples for m samples over `world` ranks."""
+    if m <= 0:
+        return 0
+    return m // world if drop_last else -(-m // world)
+
+
+_ORDER_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+_ORDER_LOCK = threading.Lock()
+_ORDER_CACHE_SIZE = 8
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The epoch's global order of sample ids (shape [n], read-only).
+
+    Cached: every rank of a job, and every job with the same (n, seed, epoch), shares one.
+    int32 when it fits, which halves the memory of a large permutation.
+    """
+    key = (n, seed, epoch, shuffle)
+    with _ORDER_LOCK:
+        hit = _ORDER_CACHE.get(key)
+        if hit is not None:
+            _ORDER_CACHE.move_to_end(key)
+            return hit
+    dtype = np.int32 if n < 2**31 else np.int64
+    if shuffle:
+        import torch  # same generator as DistributedSampler: randperm seeded with seed + epoch
+
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(n, generator=g).numpy().astype(dtype, copy=False)
+    else:
+        order = np.arange(n, dtype=dtype)
+    order.setflags(write=False)
+    with _ORDER_LOCK:
+        _ORDER_CACHE[key] = order
+        while len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
+            _ORDER_CACHE.popitem(last=False)
+    return order
+
+
+def rank_ids(order: np.ndarray, *, base: int, world: int, rank: int, drop_last: bool,
+             start: int, stop: int) -> np.ndarray:
+    """Ids at positions [start, stop) of `rank`'s list in segment (base, world). int64 [k]."""
+    m = len(order) - base
+    stop = min(stop, per_rank(m, world, drop_last))
+    if start >= stop:
+        return np.empty(0, dtype=np.int64)
+    g = rank + np.arange(start, stop, dtype=np.int64) * world
+    # DistributedSampler pads by cycling the list from its start: padded[g] = R[g mod m].
+    g %= m
+    return order[base + g].astype(np.int64)
+
+
+def reshard_base(*, n: int, base: int, world: int, pos: int) -> int:
+    """Start of the next segment when every rank of (base, world) consumed `pos` samples."""
+    return base + min(world * pos, n - base)

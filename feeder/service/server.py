@@ -1,0 +1,164 @@
+"""Server lifecycle: build the grpc.aio server, health and reflection, graceful stop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from feeder.config import ServeConfig
+from feeder.engine import Engine
+from feeder.service.servicer import FeederServicer
+from feeder.sources import TokenSource
+from feeder.v1 import feeder_pb2 as pb
+from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+log = logging.getLogger("feeder.server")
+SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name
+MAX_MESSAGE = 256 << 20
+
+# Keepalive for long-lived streams over WAN: clients ping every 30 s; the server must
+# accept pings that often (else it answers GOAWAY "too_many_pings") and pings back so a
+# vanished client is noticed and its stream's resources freed.
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.lookahead_bytes", 4 << 20),
+    ("grpc.so_reuseport", 1),
+]
+
+
+def load_sources(cfg: ServeConfig) -> dict[str, TokenSource]:
+    from feeder.sources.posix import open_source
+
+    src = open_source(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id)
+    return {src.name: src}
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource] | None = None):
+        self.cfg = cfg
+        self.engine = Engine(cfg, sources if sources is not None else load_sources(cfg))
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.port = 0
+        self.stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_FeederServicer_to_server(FeederServicer(self.engine), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = self.server.add_insecure_port(self.cfg.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.cfg.listen}")
+        await self.server.start()
+        for name in ("", SERVICE):
+            await _set(self.health, name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    @property
+    def address(self) -> str:
+        host = self.cfg.listen.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first, so load balancers and clients move away, then drain."""
+        for name in ("", SERVICE):
+            await _set(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(self.cfg.grace_s if grace is None else grace)
+        self.engine.close()
+        self.stopped.set()
+
+
+async def _set(h, name: str, status) -> None:
+    r = h.set(name, status)
+    if asyncio.iscoroutine(r):
+        await r
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # uvloop is Linux/macOS only
+        return asyncio.new_event_loop()
+
+
+async def serve_forever(cfg: ServeConfig, on_ready=None) -> None:
+    server = Server(cfg)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready:
+        on_ready(server)
+    await stop.wait()
+    log.info("stopping: draining streams for up to %.0fs", cfg.grace_s)
+    await server.stop()
+    log.info("stopped")
+
+
+class ServerThread:
+    """A feeder on its own event loop in a background thread (tests, benchmarks, embedding)."""
+
+    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource] | None = None):
+        self.cfg, self._sources = cfg, sources
+        self.loop = new_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="feeder-server", daemon=True)
+        self.thread.start()
+        self._ready.wait(60)
+        if self._error:
+            raise self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.server = Server(self.cfg, self._sources)
+            self.port = self.loop.run_until_complete(self.server.start())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+    def call(self, coro_fn, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout)
+
+    def stop(self, grace: float = 0.5) -> None:
+        if not self.thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,130 @@
+"""Thin servicer: proto -> StreamSpec, domain -> proto, FeederError -> status code."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+
+from feeder.config import StreamSpec
+from feeder.engine import Engine
+from feeder.errors import Code, FeederError
+from feeder.pipeline.batcher import EncodedBatch
+from feeder.v1 import feeder_pb2 as pb
+from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+log = logging.getLogger("feeder.service")
+
+STATUS = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
+    Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+COMPRESSION_NAME = {pb.COMPRESSION_NONE: "none", pb.COMPRESSION_ZSTD: "zstd"}
+COMPRESSION_ENUM = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
+DTYPE_ENUM = {"uint16": pb.DTYPE_UINT16, "uint32": pb.DTYPE_UINT32}
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception):
+    if isinstance(err, FeederError):
+        await context.abort(STATUS[err.code], err.message)
+    log.exception("internal error", exc_info=err)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err.__class__.__name__}: {err}")
+
+
+def unary(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except (FeederError, ValueError, TypeError) as e:
+            await _abort(context, e)
+    return wrapper
+
+
+def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
+    cfg = engine.cfg
+    if r.compression not in (pb.COMPRESSION_UNSPECIFIED, *COMPRESSION_NAME):
+        raise FeederError(f"compression must be NONE or ZSTD, got enum value {r.compression}",
+                          code=Code.INVALID_ARGUMENT)
+    compression = COMPRESSION_NAME.get(r.compression, cfg.default_compression)
+    level = r.compression_level if r.compression_level else cfg.default_level
+    return StreamSpec(job=r.job, rank=r.rank, world_size=r.world_size, seq_len=r.seq_len,
+                      micro_batch=r.micro_batch, seed=r.seed, shuffle=r.shuffle, drop_last=r.drop_last,
+                      epoch=r.epoch, num_epochs=r.num_epochs, compression=compression, compression_level=level,
+                      worker_index=r.worker_index, num_workers=max(1, r.num_workers), reshard=r.reshard,
+                      expected_fingerprint=r.expected_fingerprint, dataset=r.dataset)
+
+
+def to_proto(b: EncodedBatch) -> pb.Batch:
+    return pb.Batch(epoch=b.epoch, step=b.step, n=b.n, sample_len=b.sample_len, dtype=DTYPE_ENUM[b.dtype],
+                    compression=COMPRESSION_ENUM[b.compression], tokens=b.tokens, sample_ids=b.sample_ids,
+                    cursor=b.cursor, raw_size=b.raw_size, crc32=b.crc32)
+
+
+class FeederServicer(pb_grpc.FeederServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def Stream(self, request, context):
+        engine = self.engine
+        try:
+            spec = spec_from_request(request, engine)
+            stream = engine.open_stream(spec, request.cursor, peer=context.peer())
+        except FeederError as e:
+            await _abort(context, e)
+        reason = "cancelled by client"
+        try:
+            async for msg in stream.messages():
+                reply = pb.StreamReply(batches=[to_proto(b) for b in msg], region=engine.cfg.region)
+                yield reply
+                stream.state.sent(msg, reply.ByteSize())
+            reason = "finished"
+        except FeederError as e:
+            reason = f"{e.code.name}: {e.message}"
+            await _abort(context, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reason = f"INTERNAL: {e}"
+            await _abort(context, e)
+        finally:
+            engine.close_stream(stream, reason)
+
+    @unary
+    async def Info(self, request, context):
+        e = self.engine
+        src = e.source(request.dataset)
+        return pb.InfoReply(fingerprint=src.fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
+                            vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],
+                            region=e.cfg.region, version=e.version, datasets=sorted(e.sources))
+
+    @unary
+    async def Status(self, request, context):
+        e = self.engine
+        jobs = [e.jobs.get(request.job)] if request.job else list(e.jobs.jobs.values())
+        import time
+
+        reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
+                               streams_open=e.jobs.streams_open, rss_mb=e.rss_mb())
+        for j in jobs:
+            js = reply.jobs.add(job=j.job, dataset=j.dataset or e.default, world_size=j.world_size)
+            for r in sorted(j.ranks.values(), key=lambda r: r.rank):
+                js.ranks.add(rank=r.rank, connected=r.connected, epoch=r.epoch, samples_done=r.samples_done,
+                             samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent,
+                             bytes_sent=r.bytes_sent, tokens_per_s=r.rate_tokens, queue_depth=r.queue_depth,
+                             data_wait_fraction=r.data_wait_fraction, last_error=r.last_error, peer=r.peer,
+                             restarts=max(0, r.streams_opened - 1))
+        return reply
+
+    @unary
+    async def Report(self, request, context):
+        self.engine.report(request.job, request.rank, request.wait_s, request.step_s)
+        return pb.ReportReply()

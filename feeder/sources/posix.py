@@ -1,0 +1,191 @@
+"""Shards on Lustre or any POSIX path: the only module that reads dataset files.
+
+Arrow IPC shards are memory-mapped and served zero-copy from the map; Parquet shards
+(Spark's list-of-integers `tokens` column) are decoded one row group at a time into a
+small cache, with an EOS added after each row. Every chunk is checked against the
+manifest's sha256 the first time it is read, so a corrupt shard is reported by name and
+never served, without reading the whole dataset before the first batch.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from feeder import manifest as mf
+from feeder.errors import DataLoss, InvalidArgument, NotFound
+
+log = logging.getLogger("feeder.source")
+
+
+class PosixSource:
+    def __init__(self, root: str | os.PathLike, *, name: str = "", manifest: mf.Manifest | None = None,
+                 cache_bytes: int = 256 << 20):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise NotFound(f"dataset directory {self.root} does not exist")
+        self.manifest = manifest or mf.read(self.root)
+        m = self.manifest
+        self.name = name or self.root.name
+        self.fingerprint = m.fingerprint
+        self.n_tokens, self.n_documents = m.n_tokens, m.n_documents
+        self.vocab_size, self.eos_id = m.vocab_size, m.eos_id
+        self.dtype = np.dtype(m.dtype)
+        # Global chunk table: chunk k covers tokens [starts[k], starts[k+1]).
+        self._where: list[tuple[int, int]] = []
+        starts = [0]
+        for si, shard in enumerate(m.shards):
+            for ci, chunk in enumerate(shard.chunks):
+                self._where.append((si, ci))
+                starts.append(starts[-1] + chunk.n_tokens)
+        self._starts = starts
+        self._lock = threading.Lock()
+        self._mapped: dict[int, np.ndarray] = {}     # verified Arrow chunks (views of the map)
+        self._readers: dict[int, object] = {}
+        self._decoded: OrderedDict[int, np.ndarray] = OrderedDict()  # verified Parquet chunks
+        self._decoded_bytes, self._cache_bytes = 0, cache_bytes
+        self._bad: dict[int, str] = {}               # shard index -> why it cannot be served
+        for si, shard in enumerate(m.shards):
+            path = self.root / shard.path
+            size = path.stat().st_size if path.exists() else -1
+            if size < 0:
+                self._bad[si] = f"shard {shard.path} is missing from {self.root}"
+            elif size != shard.bytes:
+                self._bad[si] = (f"shard {shard.path} is truncated or altered: {size} bytes on disk, "
+                                 f"the manifest says {shard.bytes}")
+            if si in self._bad:
+                log.error("dataset %s: %s; streams that reach it will fail", self.name, self._bad[si])
+
+    def read(self, start: int, out: np.ndarray) -> None:
+        n = len(out)
+        if start < 0 or start + n > self.n_tokens:
+            raise InvalidArgument(f"tokens [{start}, {start + n}) are outside the dataset's {self.n_tokens}")
+        k = bisect.bisect_right(self._starts, start) - 1
+        done = 0
+        while done < n:
+            arr = self._chunk(k)
+            off = start + done - self._starts[k]
+            take = min(n - done, len(arr) - off)
+            out[done:done + take] = arr[off:off + take]
+            done += take
+            k += 1
+
+    def _chunk(self, k: int) -> np.ndarray:
+        arr = self._mapped.get(k)
+        if arr is not None:
+            return arr
+        with self._lock:
+            arr = self._decoded.get(k)
+            if arr is not None:
+                self._decoded.move_to_end(k)
+                return arr
+        si, ci = self._where[k]
+        if si in self._bad:
+            raise DataLoss(self._bad[si])
+        shard = self.manifest.shards[si]
+        try:
+            arr = self._load_arrow(si, ci) if shard.format == "arrow" else self._load_parquet(si, ci)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            self._bad[si] = f"shard {shard.path} cannot be read: {e}"
+            raise DataLoss(self._bad[si]) from None
+        want = shard.chunks[ci]
+        if len(arr) != want.n_tokens or hashlib.sha256(arr).hexdigest() != want.sha256:
+            self._bad[si] = (f"shard {shard.path} is corrupt: chunk {ci} failed its sha256 check "
+                             "against the manifest")
+            log.error("dataset %s: %s", self.name, self._bad[si])
+            raise DataLoss(self._bad[si])
+        with self._lock:
+            if shard.format == "arrow":
+                self._mapped[k] = arr
+            else:
+                self._decoded[k] = arr
+                self._decoded_bytes += arr.nbytes
+                while self._decoded_bytes > self._cache_bytes and len(self._decoded) > 1:
+                    _, old = self._decoded.popitem(last=False)
+                    self._decoded_bytes -= old.nbytes
+        return arr
+
+    def _load_arrow(self, si: int, ci: int) -> np.ndarray:
+        reader = self._readers.get(si)
+        if reader is None:
+            path = self.root / self.manifest.shards[si].path
+            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+            self._readers[si] = reader
+        col = reader.get_batch(ci).column(0)
+        return col.values.to_numpy(zero_copy_only=True)  # a view of the memory map
+
+    def _load_parquet(self, si: int, ci: int) -> np.ndarray:
+        import pyarrow.parquet as pq
+
+        shard = self.manifest.shards[si]
+        table = pq.ParquetFile(str(self.root / shard.path)).read_row_group(ci, columns=[shard.tokens_column])
+        return with_eos(table.column(0).combine_chunks(), self.eos_id, self.dtype)
+
+
+def with_eos(lists: pa.Array, eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """Flatten a list<int> array into one stream with EOS after every row."""
+    offsets = lists.offsets.to_numpy()
+    values = lists.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    lengths = np.diff(offsets)
+    out = np.full(len(values) + len(lengths), eos_id, dtype=dtype)
+    # Row j's tokens move right by j (one EOS before them per earlier row).
+    dest = np.arange(len(values), dtype=np.int64) + np.repeat(np.arange(len(lengths)), lengths)
+    out[dest] = values
+    return out
+
+
+def index_parquet(root: str | os.PathLike, *, vocab_size: int, eos_id: int,
+                  tokens_column: str = "tokens") -> mf.Manifest:
+    """A manifest for a directory of Parquet files with a list-of-integers tokens column
+    (what Spark writes), built by reading it once; the data is served as it is."""
+    import pyarrow.parquet as pq
+
+    root = Path(root)
+    files = sorted(p for p in root.rglob("*.parquet") if p.is_file())
+    if not files:
+        raise NotFound(f"{root} has neither {mf.NAME} nor Parquet files")
+    if vocab_size <= 0 or not 0 <= eos_id < vocab_size:
+        raise InvalidArgument(f"a Parquet token dataset needs --vocab-size > 0 and 0 <= --eos-id < vocab size, "
+                              f"got vocab_size={vocab_size}, eos_id={eos_id}")
+    dtype = np.dtype(mf.dtype_for_vocab(vocab_size))
+    shards = []
+    for path in files:
+        pf = pq.ParquetFile(str(path))
+        if tokens_column not in pf.schema_arrow.names:
+            raise InvalidArgument(f"{path}: no {tokens_column!r} column (columns: {pf.schema_arrow.names})")
+        chunks = []
+        for rg in range(pf.num_row_groups):
+            lists = pf.read_row_group(rg, columns=[tokens_column]).column(0).combine_chunks()
+            if not pa.types.is_list(lists.type) and not pa.types.is_large_list(lists.type):
+                raise InvalidArgument(f"{path}: column {tokens_column!r} is {lists.type}, expected a list of integers")
+            vals = lists.values.to_numpy(zero_copy_only=False)
+            if vals.size and (vals.min() < 0 or vals.max() >= vocab_size):
+                raise InvalidArgument(f"{path}: row group {rg}: token ids must be in [0, {vocab_size}), "
+                                      f"got [{vals.min()}, {vals.max()}]")
+            arr = with_eos(lists, eos_id, dtype)
+            chunks.append(mf.Chunk(n_documents=len(lists), n_tokens=len(arr),
+                                   sha256=hashlib.sha256(arr).hexdigest()))
+        shards.append(mf.Shard(path=path.relative_to(root).as_posix(), format="parquet",
+                               n_documents=sum(c.n_documents for c in chunks),
+                               n_tokens=sum(c.n_tokens for c in chunks), bytes=path.stat().st_size,
+                               sha256=mf.file_sha256(path), chunks=tuple(chunks), tokens_column=tokens_column))
+    m = mf.Manifest(tokenizer={"kind": "external", "vocab_size": vocab_size, "eos_id": eos_id},
+                    vocab_size=vocab_size, eos_id=eos_id, dtype=dtype.name, shards=tuple(shards))
+    return m.with_fingerprint()
+
+
+def open_source(root: str, *, vocab_size: int = 0, eos_id: int = -1, name: str = "") -> PosixSource:
+    """A manifest dataset, or a Parquet token dataset indexed on the fly."""
+    if (Path(root) / mf.NAME).is_file():
+        return PosixSource(root, name=name)
+    if not Path(root).is_dir():
+        raise NotFound(f"dataset directory {root} does not exist")
+    log.info("%s has no %s: indexing its Parquet files", root, mf.NAME)
+    return PosixSource(root, name=name, manifest=index_parquet(root, vocab_size=vocab_size, eos_id=eos_id))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -135,17 +136,27 @@ class RankStream:
                  pool: ThreadPoolExecutor):
         self.spec, self.plan, self.source, self.cfg, self.pool = spec, plan, source, cfg, pool
         self.state: RankState | None = None
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=cfg.prefetch_messages)
-        self._queued_bytes = 0
-        self._room = asyncio.Event()
-        self._room.set()
-        self._superseded = False
+        # The prefetch queue: messages built ahead, bounded in count and bytes.
+        self._items: deque = deque()
+        self._bytes = 0
+        self._changed = asyncio.Event()
+        self._end: BaseException | None = None   # set once: what ends the stream after the queue drains
+        self._finished = False
+        self._deferred: FeederError | None = None
         self._producer: asyncio.Task | None = None
 
     def supersede(self) -> None:
-        self._superseded = True
+        """A newer stream of the same rank took over: end this one with a clear reason."""
         if self._producer is not None:
             self._producer.cancel()
+        self._items.clear()
+        self._finish(FailedPrecondition(f"stream of job {self.spec.job!r} rank {self.spec.rank} was replaced by a "
+                                        "newer stream of the same rank"))
+
+    def _finish(self, error: BaseException | None) -> None:
+        if not self._finished:
+            self._finished, self._end = True, error
+        self._changed.set()
 
     def _selected(self) -> Iterator[PlannedBatch]:
         k, w, i = 0, self.spec.num_workers, self.spec.worker_index
@@ -154,74 +165,84 @@ class RankStream:
                 yield planned
             k += 1
 
-    def _build_message(self, it: Iterator[PlannedBatch]) -> list[EncodedBatch] | None:
+    def _build_message(self, it: Iterator[PlannedBatch]) -> tuple[list[EncodedBatch], int] | None:
         """Runs on a pool thread: encode batches until the message is big enough."""
-        out, size = [], 0
+        if self._deferred is not None:
+            raise self._deferred
+        out, size, per = [], 0, 0
         s = self.spec
         for planned in it:
-            b = encode(self.source, planned, seq_len=s.seq_len, compression=s.compression,
-                       level=s.compression_level, secret=self.cfg.cursor_secret)
+            try:
+                b = encode(self.source, planned, seq_len=s.seq_len, compression=s.compression,
+                           level=s.compression_level, secret=self.cfg.cursor_secret)
+            except FeederError as e:
+                if not out:
+                    raise
+                self._deferred = e  # send the good batches before it first
+                break
             out.append(b)
             size += b.wire_bytes
+            per = planned.samples_in_epoch
             if size >= self.cfg.message_bytes:
                 break
-        self._last_planned = planned if out else None
-        return out or None
+        return (out, per) if out else None
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
         it = self._selected()
+        cfg = self.cfg
         try:
             while True:
-                msg = await loop.run_in_executor(self.pool, self._build_message, it)
-                if msg is None:
-                    break
-                size = sum(b.wire_bytes for b in msg)
-                # Byte budget: wait until the consumer has drained enough (one message always fits).
-                while self._queued_bytes > 0 and self._queued_bytes + size > self.cfg.prefetch_bytes:
-                    self._room.clear()
-                    await self._room.wait()
-                self._queued_bytes += size
-                await self._queue.put((msg, size, self._last_planned.samples_in_epoch))
-            await self._queue.put(None)
+                built = await loop.run_in_executor(self.pool, self._build_message, it)
+                if built is None:
+                    self._finish(None)
+                    return
+                size = sum(b.wire_bytes for b in built[0])
+                # Wait for room; one message always fits, so a huge one cannot deadlock.
+                while self._items and (len(self._items) >= cfg.prefetch_messages
+                                       or self._bytes + size > cfg.prefetch_bytes):
+                    self._changed.clear()
+                    await self._changed.wait()
+                    if self._finished:
+                        return
+                self._items.append((built, size))
+                self._bytes += size
+                self._changed.set()
         except asyncio.CancelledError:
             raise
         except FeederError as e:
-            await self._queue.put(e)
-        except Exception as e:  # a bug: still end the stream with an error, never hang it
+            self._finish(e)
+        except Exception as e:  # a bug: end the stream with an error rather than hang it
             log.exception("stream %s rank %d: producer failed", self.spec.job, self.spec.rank)
-            await self._queue.put(e)
+            self._finish(e)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._items)
 
     async def messages(self) -> AsyncIterator[list[EncodedBatch]]:
         self._producer = asyncio.create_task(self._produce())
         try:
             while True:
-                get = asyncio.ensure_future(self._queue.get())
-                done, _ = await asyncio.wait({get, self._producer}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    if self._superseded:
-                        raise FailedPrecondition(
-                            f"stream of job {self.spec.job!r} rank {self.spec.rank} was replaced by a newer "
-                            "stream of the same rank")
-                    self._producer.result()  # re-raises what ended it
-                    continue
-                item = get.result()
-                if item is None:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                msg, size, per = item
-                self._queued_bytes -= size
-                self._room.set()
+                while not self._items:
+                    if self._finished:
+                        if self._end is not None:
+                            raise self._end
+                        return
+                    self._changed.clear()
+                    await self._changed.wait()
+                (msg, per), size = self._items.popleft()
+                self._bytes -= size
+                self._changed.set()
                 st = self.state
                 if st is not None:
                     last = msg[-1]
                     st.epoch, st.samples_in_epoch = last.epoch, per
                     st.samples_done = min(per, (last.step + 1) * self.spec.micro_batch)
-                    st.queue_depth = self._queue.qsize()
+                    st.queue_depth = len(self._items)
                 yield msg
         finally:
+            self._finish(None)
             if not self._producer.done():
                 self._producer.cancel()
                 try:

@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Both create .venv at the repo root when missing and install what is needed; pip's cache
+# (~/.cache/pip) keeps torch from being downloaded again on the same machine.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# DeepSpeed builds a small C++ op on first start; keep it across runs.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
+export PYTHONUNBUFFERED := 1
+
+.PHONY: env proto demo test test-fast bench clean
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --progress-bar off -q --upgrade pip setuptools wheel "grpcio-tools>=1.60"
+	$(PY) -m pip install --progress-bar off -q --no-build-isolation -e '.[train,kafka,ops,dev]'
+	@touch $(STAMP)
+
+proto: env
+	$(PY) -m feeder._protogen
+
+demo: env
+	$(PY) -m trainer.demo
+
+test: env
+	$(PY) -m pytest -q -ra --durations=15
+
+test-fast: env
+	$(PY) -m pytest -q -ra -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info feeder/v1/*_pb2*.py* feeder/formats/*_pb2*.py* feeder/v1/.generated

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from feeder.config import PrepConfig, ServeConfig
+from feeder.prep import prep
+from feeder.service.server import ServerThread
+from tests.helpers import byte_stream, make_docs, write_jsonl
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def docs():
+    return make_docs(400, seed=1)
+
+
+@pytest.fixture(scope="session")
+def stream(docs):
+    return byte_stream(docs)
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory, docs):
+    """Byte-tokenized dataset with many small chunks and shards, so samples cross both."""
+    root = tmp_path_factory.mktemp("ds")
+    src = write_jsonl(root / "docs.jsonl", docs)
+    prep(PrepConfig(inputs=(str(src),), out=str(root / "shards"), shard_tokens=3000, chunk_tokens=700,
+                    workers=1, progress=False))
+    return root / "shards"
+
+
+@pytest.fixture(scope="session")
+def feeder(dataset):
+    srv = ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=4096))
+    yield srv
+    srv.stop()

@@ -1,0 +1,46 @@
+"""Shared test helpers: deterministic corpora, the independently computed packed stream,
+and torch's own DistributedSampler as the reference."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import DistributedSampler
+
+WORDS = ("the feeder streams packed token batches to every rank über données 数据 ✓ "
+         "def main(): return 0 # comment\n").split(" ")
+
+
+def make_docs(n: int, seed: int = 0, max_words: int = 60) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        k = 0 if i % 17 == 5 else rng.randint(1, max_words)  # some empty documents
+        docs.append(" ".join(rng.choice(WORDS) for _ in range(k)))
+    return docs
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def byte_stream(docs: list[str]) -> np.ndarray:
+    """The packed stream under the byte tokenizer, computed without the feeder's code."""
+    ids: list[int] = []
+    for d in docs:
+        ids.extend(d.encode("utf-8"))
+        ids.append(256)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, drop_last: bool, epoch: int) -> list[int]:
+    s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+def sample(stream: np.ndarray, i: int, seq_len: int) -> np.ndarray:
+    return stream[i * seq_len:i * seq_len + seq_len + 1]

@@ -1,0 +1,28 @@
+import pytest
+
+from feeder.cursor import Cursor
+from feeder.errors import FailedPrecondition
+
+C = Cursor(job="job-1", fingerprint="ab" * 32, seed=3, shuffle=True, drop_last=False, seq_len=128,
+           world_size=4, rank=2, epoch=1, base=0, pos=40, step=5)
+
+
+def test_roundtrip():
+    assert Cursor.decode(C.encode(b"k"), b"k") == C
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: b[:-1],                                  # truncated
+    lambda b: b[:10],
+    lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:],    # a flipped bit
+    lambda b: b"",
+    lambda b: b"garbage that is long enough to look like one",
+])
+def test_tampered_cursor_is_refused(mutate):
+    with pytest.raises(FailedPrecondition):
+        Cursor.decode(mutate(C.encode(b"k")), b"k")
+
+
+def test_cursor_from_another_deployment_is_refused():
+    with pytest.raises(FailedPrecondition, match="another cursor secret"):
+        Cursor.decode(C.encode(b"secret-a"), b"secret-b")

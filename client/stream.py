@@ -275,3 +275,15 @@ class FeederClient:
                                          step_s=step, batches=n), timeout=2)
         except grpc.RpcError:
             pass  # reporting is best effort; the data path must not suffer for it
+
+
+def feeder_info(targets, dataset: str = "", timeout: float = 10.0) -> pb.InfoReply:
+    """Dataset facts (fingerprint, vocab size, ...) from the first feeder that answers."""
+    last = None
+    for target in targets:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                return pb_grpc.FeederStub(ch).Info(pb.InfoRequest(dataset=dataset), timeout=timeout)
+            except grpc.RpcError as e:
+                last = f"{target}: {e.code().name}: {e.details()}"
+    raise Unavailable(f"no feeder answered ({last})")

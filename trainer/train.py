@@ -1,0 +1,159 @@
+"""Reference DeepSpeed training fed by the token feeder.
+
+    deepspeed --num_gpus 2 trainer/train.py --targets HOST:PORT[,HOST:PORT...] --job NAME ...
+
+nccl on GPU, gloo on CPU. Reads only from the feeder; logs loss, tokens/s and the share
+of step time spent waiting for data; saves every rank's feeder cursor inside each
+DeepSpeed checkpoint (client_state), and `--resume` continues the data stream exactly
+where the checkpoint left it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from client import FeederDataset, feeder_info
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", required=True, help="feeder addresses, nearest first, comma separated")
+    p.add_argument("--job", default="train")
+    p.add_argument("--model-size", default="tiny", help="tiny | small | base | 1b")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to reach (counting resumed ones)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=0, help="epochs of data to stream (0: as many as needed)")
+    p.add_argument("--ds-config", default=str(HERE / "ds_config.json"))
+    p.add_argument("--ckpt-dir", default="")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-ids", default="", help="append every consumed batch's sample ids to DIR/rank{R}.jsonl")
+    p.add_argument("--compression", default="zstd", choices=["zstd", "none"])
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
+    return p.parse_args(argv)
+
+
+def ds_config(args, on_gpu: bool) -> dict:
+    cfg = json.loads(Path(args.ds_config).read_text())
+    cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+    cfg["gradient_accumulation_steps"] = args.grad_accum
+    cfg["optimizer"]["params"]["lr"] = args.lr
+    cfg["bf16"] = {"enabled": bool(on_gpu and torch.cuda.is_bf16_supported())}
+    return cfg
+
+
+def main(argv=None) -> int:
+    import deepspeed
+
+    from trainer.model import DecoderLM, config_for
+
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    targets = [t for t in args.targets.split(",") if t]
+    info = feeder_info(targets)
+    model = DecoderLM(config_for(args.model_size, info.vocab_size, args.seq_len))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(args, on_gpu))
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    say(f"model {args.model_size}: {model.n_params() / 1e6:.2f}M parameters, vocab {info.vocab_size}, "
+        f"world {world}, device {engine.device}, dataset {info.fingerprint[:12]} from region {info.region}")
+
+    cursor, reshard, step = None, False, 0
+    if args.resume:
+        path, state = engine.load_checkpoint(args.ckpt_dir)
+        if path is None:
+            say(f"error: no checkpoint in {args.ckpt_dir} to resume from")
+            return 2
+        cursors, step = state["feeder_cursors"], state["step"]
+        # Same world: each rank continues its own stream. Another world: re-deal the epoch's rest.
+        reshard = len(cursors) != world
+        cursor = cursors[0] if reshard else cursors[rank]
+        say(f"resumed from {path} at step {step} ({'re-dealt from world ' + str(len(cursors)) if reshard else 'same world'})")
+
+    data = FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
+                         micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
+                         num_epochs=args.epochs, cursor=cursor, reshard=reshard,
+                         expected_fingerprint=info.fingerprint, compression=args.compression)
+    batches = iter(data)
+    ids_log = None
+    if args.log_ids:
+        Path(args.log_ids).mkdir(parents=True, exist_ok=True)
+        ids_log = open(Path(args.log_ids) / f"rank{rank}.jsonl", "a")
+
+    def save(step: int):
+        cursors = [None] * world
+        dist.all_gather_object(cursors, data.state_dict()["cursor"])  # DeepSpeed keeps rank 0's client_state
+        engine.save_checkpoint(args.ckpt_dir, tag=f"step{step}", client_state={"feeder_cursors": cursors,
+                                                                              "step": step})
+
+    first_loss = last_loss = None
+    window = {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
+    total = {"t": time.monotonic(), "wait": 0.0, "tokens": 0}
+    exhausted = False
+    while step < args.steps and not exhausted:
+        for micro in range(args.grad_accum):
+            t0 = time.monotonic()
+            batch = next(batches, None)
+            waited = time.monotonic() - t0
+            if batch is None:
+                exhausted = True
+                break
+            tokens = batch.tokens.to(engine.device, non_blocking=True)
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            n_tok = tokens.shape[0] * (tokens.shape[1] - 1)
+            for acc in (window, total):
+                acc["wait"] += waited
+                acc["tokens"] += n_tok
+            window["loss"] += loss.item()
+            window["n"] += 1
+            if ids_log:
+                ids_log.write(json.dumps({"step": step, "micro": micro, "epoch": batch.epoch,
+                                          "ids": batch.sample_ids.tolist()}) + "\n")
+        if exhausted:
+            break
+        step += 1
+        if step % args.log_every == 0 or step == args.steps:
+            stats = torch.tensor([window["loss"], window["n"], window["tokens"], window["wait"]], dtype=torch.float64)
+            dist.all_reduce(stats)
+            dt = time.monotonic() - window["t"]
+            mean_loss = stats[0].item() / max(1, stats[1].item())
+            first_loss = mean_loss if first_loss is None else first_loss
+            last_loss = mean_loss
+            say(f"step {step:5d}  loss {mean_loss:.4f}  tokens/s {stats[2].item() / dt:,.0f}  "
+                f"data-wait {100 * stats[3].item() / world / dt:.2f}%")
+            window = {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
+        if args.ckpt_dir and args.save_every and step % args.save_every == 0:
+            save(step)
+    if ids_log:
+        ids_log.close()
+    dt = time.monotonic() - total["t"]
+    t = torch.tensor([total["tokens"], total["wait"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    say(f"done: {step} steps, loss {first_loss:.4f} -> {last_loss:.4f}, {t[0].item() / dt:,.0f} tokens/s, "
+        f"data-wait {100 * t[1].item() / world / dt:.2f}% of step time, fed from region {data.region}"
+        if first_loss is not None else f"done: {step} steps")
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

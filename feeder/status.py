@@ -44,7 +44,9 @@ def render(reply, target: str):
 def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2.0) -> int:
     from rich.console import Console
 
-    console = Console()
+    import sys
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and pipes: no squeezing
     if not watch:
         console.print(render(fetch(target, job), target))
         return 0

@@ -1,0 +1,23 @@
+"""FeederDataset under torch's DataLoader: workers by fork and spawn, no duplicates, same order."""
+import multiprocessing as mp
+
+import pytest
+from torch.utils.data import DataLoader
+
+from client import FeederDataset
+from feeder.sampler import n_samples
+from tests.helpers import reference_ids
+
+
+@pytest.mark.parametrize("workers,context", [(0, None), (4, "fork"), (4, "spawn")])
+def test_each_sample_once_in_order(feeder, stream, workers, context):
+    ds = FeederDataset([feeder.address], job=f"dl-{workers}-{context}", rank=1, world_size=2, seq_len=40,
+                       micro_batch=8, seed=4, num_epochs=2)
+    assert ds.client is None  # nothing gRPC exists before the fork
+    dl = DataLoader(ds, batch_size=None, num_workers=workers,
+                    multiprocessing_context=mp.get_context(context) if context else None)
+    got = [(b.epoch, b.sample_ids.tolist()) for b in dl]
+    n = n_samples(len(stream), 40)
+    for epoch in (0, 1):
+        ids = [i for e, b in got if e == epoch for i in b]
+        assert ids == reference_ids(n, 2, 1, shuffle=True, seed=4, drop_last=False, epoch=epoch)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
-from feeder.errors import FailedPrecondition, NotFound
+from feeder.errors import FailedPrecondition, NotFound, Unavailable
 from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.sources import TokenSource
@@ -71,6 +71,13 @@ class Engine:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
         except OSError:
             return 0.0
+
+    def shutdown(self) -> None:
+        """End every stream now with UNAVAILABLE, so clients resume elsewhere at once
+        instead of waiting for the grace period to run out."""
+        for job in self.jobs.jobs.values():
+            for stream in list(job.streams.values()):
+                stream.end(Unavailable(f"feeder in region {self.cfg.region} is shutting down; resume elsewhere"))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

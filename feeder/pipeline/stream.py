@@ -147,11 +147,15 @@ class RankStream:
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
+        self.end(FailedPrecondition(f"stream of job {self.spec.job!r} rank {self.spec.rank} was replaced by a "
+                                    "newer stream of the same rank"))
+
+    def end(self, error: FeederError) -> None:
+        """Drop what is queued and end the stream with `error` (its cursor lets the peer resume)."""
         if self._producer is not None:
             self._producer.cancel()
         self._items.clear()
-        self._finish(FailedPrecondition(f"stream of job {self.spec.job!r} rank {self.spec.rank} was replaced by a "
-                                        "newer stream of the same rank"))
+        self._finish(error)
 
     def _finish(self, error: BaseException | None) -> None:
         if not self._finished:

@@ -31,6 +31,7 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.lookahead_bytes", 4 << 20),
     ("grpc.so_reuseport", 1),
@@ -77,6 +78,7 @@ class Server:
         """NOT_SERVING first, so load balancers and clients move away, then drain."""
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine.shutdown()
         if self.server is not None:
             await self.server.stop(self.cfg.grace_s if grace is None else grace)
         self.engine.close()

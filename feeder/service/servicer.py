@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import logging
 
 import grpc
@@ -113,7 +114,8 @@ class FeederServicer(pb_grpc.FeederServicer):
         import time
 
         reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
-                               streams_open=e.jobs.streams_open, rss_mb=e.rss_mb())
+                               streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),
+                               tasks=len(asyncio.all_tasks()), threads=threading.active_count())
         for j in jobs:
             js = reply.jobs.add(job=j.job, dataset=j.dataset or e.default, world_size=j.world_size)
             for r in sorted(j.ranks.values(), key=lambda r: r.rank):

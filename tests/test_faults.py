@@ -1,0 +1,158 @@
+"""Faults: feeders killed, stopped and frozen mid-epoch; world size changed mid-epoch.
+Real feeder processes, real sockets; the rank's ids and content must stay exact."""
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from client import FeederDataset
+from feeder.sampler import n_samples, per_rank
+from tests.helpers import reference_ids, sample
+
+pytestmark = pytest.mark.fault
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FeederProc:
+    """A `feeder serve` subprocess on a fixed port, so a restart keeps its address."""
+
+    def __init__(self, dataset, port=None):
+        self.dataset, self.port = dataset, port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "feeder.cli", "serve", "--source", str(self.dataset), "--listen", self.address,
+             "--grace", "1", "--message-bytes", "8192", "--prefetch-messages", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, f"feeder did not start: {line!r}"
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            assert self.proc.wait(20) in (0, -signal.SIGKILL)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def two_feeders(dataset):
+    feeders = [FeederProc(dataset), FeederProc(dataset)]
+    yield feeders
+    for f in feeders:
+        f.stop()
+
+
+def expected(stream, rank, world, seq_len, seed):
+    return reference_ids(n_samples(len(stream), seq_len), world, rank, shuffle=True, seed=seed, drop_last=False,
+                         epoch=0)
+
+
+def check(batches, stream, seq_len, want):
+    assert [i for b in batches for i in b.sample_ids.tolist()] == want
+    for b in batches:
+        for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
+            np.testing.assert_array_equal(row, sample(stream, i, seq_len))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_rank_fails_over_between_two_feeders_killed_at_20_random_points(two_feeders, stream, sig):
+    seq_len, seed = 16, 3
+    want = expected(stream, 1, 2, seq_len, seed)
+    n_batches = -(-len(want) // 4)
+    points = sorted(random.Random(sig).sample(range(5, n_batches - 5), 20))
+    ds = FeederDataset([f.address for f in two_feeders], job=f"kill-{sig.name}", rank=1, world_size=2,
+                       seq_len=seq_len, micro_batch=4, seed=seed, read_ahead=2, retry_for_s=60)
+    got, kills = [], 0
+    for k, b in enumerate(ds):
+        got.append(b)
+        if kills < len(points) and k == points[kills]:
+            victim = two_feeders[ds.client.target_index % 2]
+            victim.signal(sig)
+            victim.start()  # back for the next failover, on the same address
+            kills += 1
+    assert kills == 20
+    assert ds.client is not None
+    check(got, stream, seq_len, want)
+
+
+def test_frozen_feeder_is_abandoned_within_the_detection_bound(two_feeders, stream):
+    seq_len, seed = 16, 5
+    want = expected(stream, 0, 1, seq_len, seed)
+    ds = FeederDataset([f.address for f in two_feeders], job="frozen", rank=0, world_size=1, seq_len=seq_len,
+                       micro_batch=4, seed=seed, read_ahead=1, idle_timeout_s=3.0, keepalive_s=2.0)
+    got, gap = [], None
+    it = iter(ds)
+    for k, b in enumerate(it):
+        got.append(b)
+        if k == 30:
+            frozen = two_feeders[ds.client.target_index % 2]
+            frozen.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            got.append(next(it))  # what was already queued or in flight may come first
+            while ds.client.target_index % 2 == two_feeders.index(frozen):
+                got.append(next(it))
+            gap = time.monotonic() - t0
+            frozen.signal(signal.SIGCONT)  # the old stream is back: it must not deliver anything twice
+    assert gap is not None and gap < 3.0 + 2.0 + 3.0, f"took {gap:.1f}s to abandon a frozen feeder"
+    check(got, stream, seq_len, want)
+
+
+@pytest.mark.parametrize("old,new", [(4, 3), (2, 5)])
+def test_world_size_change_mid_epoch_deals_the_rest_once(feeder, stream, old, new):
+    seq_len, mb, seed, steps = 32, 4, 9, 10
+    n = n_samples(len(stream), seq_len)
+    consumed, cursors = [], []
+    for rank in range(old):
+        it = iter(FeederDataset([feeder.address], job=f"elastic-{old}-{new}", rank=rank, world_size=old,
+                                seq_len=seq_len, micro_batch=mb, seed=seed))
+        for _ in range(steps):
+            b = next(it)
+            consumed += b.sample_ids.tolist()
+        cursors.append(b.cursor)
+        it.close()
+
+    def rest(run):
+        out = {}
+        for rank in range(new):
+            ds = FeederDataset([feeder.address], job=f"elastic-{old}-{new}", rank=rank, world_size=new,
+                               seq_len=seq_len, micro_batch=mb, seed=seed, cursor=cursors[0], reshard=True)
+            out[rank] = [i for b in ds for i in b.sample_ids.tolist()]
+        return out
+
+    first = rest("a")
+    assert rest("b") == first, "re-dealing must be deterministic"
+    lengths = {len(v) for v in first.values()}
+    assert len(lengths) == 1, "every new rank gets the same number of samples"
+    redealt = [i for v in first.values() for i in v]
+    everything = consumed + redealt
+    assert set(everything) == set(range(n)), "no sample lost"
+    remaining = n - len(consumed)
+    padding = per_rank(remaining, new, False) * new - remaining
+    # the only repeats are DistributedSampler's own padding of the re-dealt rest to equal length
+    assert len(everything) - len(set(everything)) == padding < new
+    assert not set(consumed) & set(redealt[:remaining])
+    # the epoch after the change follows DistributedSampler for the new world size
+    nxt = FeederDataset([feeder.address], job=f"elastic-next-{old}-{new}", rank=1, world_size=new, seq_len=seq_len,
+                        micro_batch=mb, seed=seed, epoch=1)
+    assert [i for b in nxt for i in b.sample_ids.tolist()] == reference_ids(
+        n, new, 1, shuffle=True, seed=seed, drop_last=False, epoch=1)

@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--log-ids", default="", help="append every consumed batch's sample ids to DIR/rank{R}.jsonl")
     p.add_argument("--compression", default="zstd", choices=["zstd", "none"])
+    p.add_argument("--crash-at-step", type=int, default=0, help="fault injection: rank 0 dies at this step")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     ids_log = None
     if args.log_ids:
         Path(args.log_ids).mkdir(parents=True, exist_ok=True)
-        ids_log = open(Path(args.log_ids) / f"rank{rank}.jsonl", "a")
+        ids_log = open(Path(args.log_ids) / f"rank{rank}.jsonl", "a", buffering=1)  # lines survive a crash
 
     def save(step: int):
         cursors = [None] * world
@@ -143,6 +144,10 @@ def main(argv=None) -> int:
             window = {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
         if args.ckpt_dir and args.save_every and step % args.save_every == 0:
             save(step)
+        if rank == 0 and step == args.crash_at_step:
+            if ids_log:
+                ids_log.flush()
+            os._exit(17)  # no cleanup, like a segfault or an OOM kill
     if ids_log:
         ids_log.close()
     dt = time.monotonic() - total["t"]

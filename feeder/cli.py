@@ -40,7 +40,7 @@ def serve_config(args):
                        message_bytes=args.message_bytes, default_compression=args.compression,
                        default_level=args.compression_level, threads=args.threads, cursor_secret=_secret(args),
                        grace_s=args.grace, vocab_size=args.vocab_size, eos_id=args.eos_id,
-                       log_format=args.log_format)
+                       log_format=args.log_format, ledger=args.ledger)
 
 
 def cmd_serve(args) -> int:
@@ -65,6 +65,30 @@ def cmd_status(args) -> int:
     from feeder.status import show
 
     return show(args.target, job=args.job, watch=args.watch, interval=args.interval)
+
+
+def cmd_audit(args) -> int:
+    import json
+
+    from feeder.audit import audit
+
+    results = audit(args.ledgers, job=args.job)
+    for r in results:
+        if args.json:
+            print(json.dumps(r))
+            continue
+        head = f"job {r['job']} epoch {r['epoch']}: {r['samples']} samples in {r['batches']} batches"
+        if r["exactly_once"]:
+            print(f"{head}: every sample delivered exactly once ({r['resent_batches']} batches resent after "
+                  f"failover counted once; {r['n_duplicate_deliveries']} repeats are DistributedSampler padding)")
+        else:
+            print(f"{head}: NOT exactly once: {r['n_missing']} missing {r['missing'][:20]}, "
+                  f"{r['n_duplicate_deliveries']} duplicate deliveries {r['duplicates'][:20]} "
+                  f"(padding allows {r['padding_allowed']}), {len(r['conflicts'])} conflicting batches")
+    if not results:
+        print("no batches in the ledger" + (f" for job {args.job!r}" if args.job else ""))
+        return 1
+    return 0 if all(r["exactly_once"] for r in results) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vocab-size", type=int, default=0, help="Parquet token datasets without manifest.json")
     s.add_argument("--eos-id", type=int, default=-1, help="Parquet token datasets without manifest.json")
     s.add_argument("--log-format", default="text", choices=["text", "json"])
+    s.add_argument("--ledger", default="", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("audit", help="prove from ledgers that each epoch was delivered exactly once")
+    s.add_argument("ledgers", nargs="+", help="ledger files of every feeder that served the job")
+    s.add_argument("--job", default="")
+    s.add_argument("--json", action="store_true", help="one JSON object per (job, epoch)")
+    s.set_defaults(fn=cmd_audit)
 
     s = sub.add_parser("status", help="show a feeder's jobs and ranks")
     s.add_argument("--target", required=True, help="feeder HOST:PORT")

@@ -95,6 +95,7 @@ class ServeConfig:
     vocab_size: int = 0          # only for Parquet datasets without manifest.json
     eos_id: int = -1
     log_format: str = "text"
+    ledger: str = ""             # append one JSON line per delivered batch here ("" = off)
 
     def __post_init__(self):
         if not self.source:

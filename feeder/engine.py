@@ -2,10 +2,13 @@
 translates requests into StreamSpecs and FeederErrors into status codes."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
@@ -25,6 +28,7 @@ class Engine:
         self.jobs = Jobs()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
         self.started = time.monotonic()
+        self.ledger = open(cfg.ledger, "a", buffering=1) if cfg.ledger else None
         self.version = __import__("feeder").__version__
 
     def source(self, name: str) -> TokenSource:
@@ -46,10 +50,23 @@ class Engine:
         stream.state = self.jobs.attach(spec, stream)
         stream.state.peer = peer
         stream.state.last_error = ""
+        if self.ledger:
+            self.ledger.write(json.dumps({"open": spec.job, "region": self.cfg.region, "n": plan.n,
+                                          "world": spec.world_size, "rank": spec.rank, "seed": spec.seed,
+                                          "shuffle": spec.shuffle, "drop_last": spec.drop_last,
+                                          "fingerprint": src.fingerprint}) + "\n")
         log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s",
                  spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,
                  plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "")
         return stream
+
+    def delivered(self, stream: RankStream, batches) -> None:
+        """Visitation ledger: (job, epoch, world, rank, step, ids) per batch handed to gRPC."""
+        if self.ledger:
+            s = stream.spec
+            self.ledger.write("".join(json.dumps({
+                "job": s.job, "epoch": b.epoch, "world": s.world_size, "rank": s.rank, "step": b.step,
+                "ids": np.frombuffer(b.sample_ids, dtype="<i8").tolist()}) + "\n" for b in batches))
 
     def close_stream(self, stream: RankStream, reason: str) -> None:
         self.jobs.detach(stream.spec, stream)
@@ -81,3 +98,5 @@ class Engine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.ledger:
+            self.ledger.close()

@@ -87,6 +87,7 @@ class FeederServicer(pb_grpc.FeederServicer):
                 reply = pb.StreamReply(batches=[to_proto(b) for b in msg], region=engine.cfg.region)
                 yield reply
                 stream.state.sent(msg, reply.ByteSize())
+                engine.delivered(stream, msg)
             reason = "finished"
         except FeederError as e:
             reason = f"{e.code.name}: {e.message}"

@@ -72,6 +72,3 @@ class FeederDataset(IterableDataset):
     def region(self) -> str:
         return self.client.region if self.client is not None else ""
 
-
-def collate_keep(batch):
-    return batch

@@ -5,7 +5,7 @@ import time
 
 import grpc
 
-from feeder.errors import FeederError, Unavailable
+from feeder.errors import NotFound, Unavailable
 
 
 def fetch(target: str, job: str = "", timeout: float = 5.0):
@@ -17,7 +17,7 @@ def fetch(target: str, job: str = "", timeout: float = 5.0):
             return pb_grpc.FeederStub(ch).Status(pb.StatusRequest(job=job), timeout=timeout)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise FeederError(e.details(), code=__import__("feeder.errors").errors.Code.NOT_FOUND) from None
+                raise NotFound(e.details()) from None
             raise Unavailable(f"cannot reach feeder at {target}: {e.code().name}: {e.details()}") from None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -44,3 +45,9 @@ def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, dr
 
 def sample(stream: np.ndarray, i: int, seq_len: int) -> np.ndarray:
     return stream[i * seq_len:i * seq_len + seq_len + 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,9 @@ import pytest
 
 from client import FeederDataset
 from feeder.sampler import n_samples, per_rank
-from tests.helpers import reference_ids, sample
+from tests.helpers import free_port, reference_ids, sample
 
 pytestmark = pytest.mark.fault
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FeederProc:

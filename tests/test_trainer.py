@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +11,11 @@ import pytest
 
 from feeder.config import ServeConfig
 from feeder.service.server import ServerThread
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 TRAIN = str(Path(__file__).resolve().parent.parent / "trainer" / "train.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(address, job, tmp: Path, *extra, expect_rc=0):

@@ -230,8 +230,7 @@ class FeederClient:
                 if self._stop.is_set():
                     return
                 code = e.code()
-                if code not in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not self._idle_cancelled
-                                             and self._stop.is_set()):
+                if code not in RETRYABLE:
                     self._put(FeederError(f"feeder {target}: {e.details()}", code=CODES.get(code, Code.INTERNAL)))
                     return
                 why = "silent past the idle timeout" if self._idle_cancelled else f"{code.name}: {e.details()}"

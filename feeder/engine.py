@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
 from feeder.errors import FailedPrecondition, NotFound, Unavailable
@@ -29,7 +30,7 @@ class Engine:
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
         self.started = time.monotonic()
         self.ledger = open(cfg.ledger, "a", buffering=1) if cfg.ledger else None
-        self.version = __import__("feeder").__version__
+        self.version = __version__
 
     def source(self, name: str) -> TokenSource:
         src = self.sources.get(name or self.default)

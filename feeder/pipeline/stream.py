@@ -220,10 +220,6 @@ class RankStream:
             log.exception("stream %s rank %d: producer failed", self.spec.job, self.spec.rank)
             self._finish(e)
 
-    @property
-    def queue_depth(self) -> int:
-        return len(self._items)
-
     async def messages(self) -> AsyncIterator[list[EncodedBatch]]:
         self._producer = asyncio.create_task(self._produce())
         try:

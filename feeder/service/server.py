@@ -31,7 +31,6 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.lookahead_bytes", 4 << 20),
     ("grpc.so_reuseport", 1),

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 import logging
+import threading
+import time
 
 import grpc
 
@@ -112,8 +113,6 @@ class FeederServicer(pb_grpc.FeederServicer):
     async def Status(self, request, context):
         e = self.engine
         jobs = [e.jobs.get(request.job)] if request.job else list(e.jobs.jobs.values())
-        import time
-
         reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
                                streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),
                                tasks=len(asyncio.all_tasks()), threads=threading.active_count())

@@ -24,18 +24,19 @@ class FeederDataset(IterableDataset):
                  num_epochs: int = 1, cursor: bytes | None = None, *, compression: str = "zstd",
                  compression_level: int = 3, reshard: bool = False, expected_fingerprint: str = "",
                  dataset: str = "", read_ahead: int = 8, idle_timeout_s: float = 30.0, keepalive_s: float = 10.0,
-                 retry_for_s: float = 300.0):
+                 retry_for_s: float = 300.0, report_every_s: float = 5.0, bad_records: str = ""):
         if isinstance(targets, str):
             targets = [targets]
         self.spec = StreamSpec(job=job, rank=rank, world_size=world_size, seq_len=seq_len,
                                micro_batch=micro_batch, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                epoch=epoch, num_epochs=num_epochs, compression=compression,
                                compression_level=compression_level, reshard=reshard,
-                               expected_fingerprint=expected_fingerprint, dataset=dataset)
+                               expected_fingerprint=expected_fingerprint, dataset=dataset,
+                               bad_records=bad_records)
         self.targets = tuple(targets)
         self.cursor = cursor
         self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
-                              retry_for_s=retry_for_s)
+                              retry_for_s=retry_for_s, report_every_s=report_every_s)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
 

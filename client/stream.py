@@ -121,6 +121,10 @@ class FeederClient:
         self._channels: dict[str, grpc.Channel] = {}
         self._report = [0.0, 0.0, 0, time.monotonic()]  # wait, step, batches, since
         self._last_next = None
+        self._position: tuple[int, int] | None = None   # (epoch, step) of the last batch taken
+        self._after_break = False
+        self._stub = None
+        self._report_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"feeder-client-r{cfg.spec.rank}", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="feeder-client-watchdog", daemon=True)
         self._thread.start()
@@ -136,10 +140,11 @@ class FeederClient:
         t1 = time.monotonic()
         self.wait_s += t1 - t0
         if self._last_next is not None:
-            r = self._report
-            r[0] += t1 - t0
-            r[1] += t1 - self._last_next
-            r[2] += 1
+            with self._report_lock:
+                r = self._report
+                r[0] += t1 - t0
+                r[1] += t1 - self._last_next
+                r[2] += 1
         self._last_next = t1
         if item is _END:
             self._q.put(_END)
@@ -147,6 +152,7 @@ class FeederClient:
         if isinstance(item, BaseException):
             self._q.put(item)
             raise item
+        self._position = (item.epoch, item.step)
         return item
 
     def close(self) -> None:
@@ -178,7 +184,7 @@ class FeederClient:
             cursor=self.cursor or b"", compression=COMPRESSION[s.compression],
             compression_level=s.compression_level, worker_index=s.worker_index, num_workers=s.num_workers,
             reshard=s.reshard and self.cursor == self.cfg.cursor, expected_fingerprint=s.expected_fingerprint,
-            dataset=s.dataset)
+            dataset=s.dataset, failover=self._after_break, bad_records=s.bad_records)
 
     def _channel(self, target: str) -> grpc.Channel:
         ch = self._channels.get(target)
@@ -203,7 +209,7 @@ class FeederClient:
         while not self._stop.is_set():
             target = targets[self.target_index % len(targets)]
             try:
-                stub = pb_grpc.FeederStub(self._channel(target))
+                stub = self._stub = pb_grpc.FeederStub(self._channel(target))
                 call = stub.Stream(self._request(), wait_for_ready=False)
                 with self._lock:
                     self._call, self._idle_cancelled = call, False
@@ -225,7 +231,7 @@ class FeederClient:
                         self.cursor = b.cursor
                     if not got_any:
                         got_any, failing_since, attempt = True, None, 0
-                    self._maybe_report(stub)
+                        self._after_break = False
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
@@ -248,6 +254,7 @@ class FeederClient:
                 return
             self.target_index += 1
             self.failovers += 1
+            self._after_break = True
             attempt += 1
             log.warning("stream broke (%s); failing over to %s", last_error,
                         targets[self.target_index % len(targets)])
@@ -255,7 +262,10 @@ class FeederClient:
                 self._stop.wait(min(2.0, 0.05 * 2 ** min(attempt - len(targets), 6)))
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.cfg.idle_timeout_s / 4)):
+        """Abandons a silent feeder, and reports data-wait to the feeder feeding us."""
+        while not self._stop.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s)):
+            if self._stub is not None:
+                self._maybe_report(self._stub)
             since = self._waiting_since
             if since is not None and time.monotonic() - since > self.cfg.idle_timeout_s:
                 with self._lock:
@@ -264,14 +274,17 @@ class FeederClient:
                         self._call.cancel()
 
     def _maybe_report(self, stub) -> None:
-        r = self._report
-        if time.monotonic() - r[3] < self.cfg.report_every_s or r[2] == 0:
-            return
-        wait, step, n = r[0], r[1], r[2]
-        self._report = [0.0, 0.0, 0, time.monotonic()]
+        with self._report_lock:
+            r = self._report
+            if time.monotonic() - r[3] < self.cfg.report_every_s or r[2] == 0:
+                return
+            wait, step, n = r[0], r[1], r[2]
+            self._report = [0.0, 0.0, 0, time.monotonic()]
+        pos = self._position
         try:
             stub.Report(pb.ReportRequest(job=self.cfg.spec.job, rank=self.cfg.spec.rank, wait_s=wait,
-                                         step_s=step, batches=n), timeout=2)
+                                         step_s=step, batches=n, has_position=pos is not None,
+                                         epoch=pos[0] if pos else 0, step=pos[1] if pos else 0), timeout=2)
         except grpc.RpcError:
             pass  # reporting is best effort; the data path must not suffer for it
 

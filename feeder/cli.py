@@ -40,7 +40,9 @@ def serve_config(args):
                        message_bytes=args.message_bytes, default_compression=args.compression,
                        default_level=args.compression_level, threads=args.threads, cursor_secret=_secret(args),
                        grace_s=args.grace, vocab_size=args.vocab_size, eos_id=args.eos_id,
-                       log_format=args.log_format, ledger=args.ledger)
+                       log_format=args.log_format, ledger=args.ledger,
+                       metrics_listen=f"{args.metrics_host or args.listen.rpartition(':')[0]}:{args.metrics_port}"
+                       if args.metrics_port is not None else "")
 
 
 def cmd_serve(args) -> int:
@@ -52,6 +54,8 @@ def cmd_serve(args) -> int:
 
     def ready(server):
         print(f"feeder region={cfg.region} listening on {server.address}", flush=True)
+        if server.metrics_address:
+            print(f"metrics on {server.metrics_address}", flush=True)
 
     loop = new_loop()
     try:
@@ -126,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--eos-id", type=int, default=-1, help="Parquet token datasets without manifest.json")
     s.add_argument("--log-format", default="text", choices=["text", "json"])
     s.add_argument("--ledger", default="", help="append one JSON line per delivered batch (for `feeder audit`)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
+    s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("audit", help="prove from ledgers that each epoch was delivered exactly once")

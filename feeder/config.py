@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from feeder.errors import InvalidArgument
 
 COMPRESSIONS = ("none", "zstd")
+BAD_RECORD_POLICIES = ("", "skip", "fail")
 MAX_SEQ_LEN = 1 << 20
 MAX_MICRO_BATCH = 1 << 16
 
@@ -52,6 +53,7 @@ class StreamSpec:
     reshard: bool = False
     expected_fingerprint: str = ""
     dataset: str = ""
+    bad_records: str = ""        # Kafka: "skip" | "fail" | "" (the source's default)
 
     def __post_init__(self):
         if not self.job or len(self.job) > 256 or not self.job.isprintable():
@@ -67,6 +69,9 @@ class StreamSpec:
         _non_negative("num_epochs", self.num_epochs)
         _compression("compression", self.compression, self.compression_level)
         _positive("num_workers", self.num_workers, upper=1024)
+        if self.bad_records not in BAD_RECORD_POLICIES:
+            raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
+                                  f"got {self.bad_records!r}")
         if not 0 <= self.worker_index < self.num_workers:
             raise InvalidArgument(
                 f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index}")
@@ -96,6 +101,7 @@ class ServeConfig:
     eos_id: int = -1
     log_format: str = "text"
     ledger: str = ""             # append one JSON line per delivered batch here ("" = off)
+    metrics_listen: str = ""     # HOST:PORT for Prometheus /metrics ("" = off, port 0 = any)
 
     def __post_init__(self):
         if not self.source:
@@ -108,6 +114,10 @@ class ServeConfig:
         _positive("message_bytes", self.message_bytes, upper=64 << 20)
         _compression("default_compression", self.default_compression, self.default_level)
         _positive("threads", self.threads, upper=256)
+        if self.metrics_listen:
+            mhost, msep, mport = self.metrics_listen.rpartition(":")
+            if not msep or not mport.isdigit() or int(mport) > 65535:
+                raise InvalidArgument(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
         if self.log_format not in ("text", "json"):
             raise InvalidArgument(f"log_format must be text or json, got {self.log_format!r}")
 

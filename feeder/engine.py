@@ -38,7 +38,7 @@ class Engine:
             raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})")
         return src
 
-    def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "") -> RankStream:
+    def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "", failover: bool = False) -> RankStream:
         src = self.source(spec.dataset)
         if spec.expected_fingerprint and spec.expected_fingerprint != src.fingerprint:
             raise FailedPrecondition(
@@ -51,14 +51,16 @@ class Engine:
         stream.state = self.jobs.attach(spec, stream)
         stream.state.peer = peer
         stream.state.last_error = ""
+        stream.state.failovers += failover
         if self.ledger:
             self.ledger.write(json.dumps({"open": spec.job, "region": self.cfg.region, "n": plan.n,
                                           "world": spec.world_size, "rank": spec.rank, "seed": spec.seed,
                                           "shuffle": spec.shuffle, "drop_last": spec.drop_last,
                                           "fingerprint": src.fingerprint}) + "\n")
-        log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s",
+        log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s%s",
                  spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,
-                 plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "")
+                 plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "",
+                 " (failover)" if failover else "")
         return stream
 
     def delivered(self, stream: RankStream, batches) -> None:
@@ -71,17 +73,23 @@ class Engine:
 
     def close_stream(self, stream: RankStream, reason: str) -> None:
         self.jobs.detach(stream.spec, stream)
-        if stream.state is not None and reason not in ("finished", "cancelled by client"):
-            stream.state.last_error = reason
+        st = stream.state
+        if st is not None and reason not in ("finished", "cancelled by client"):
+            st.last_error = reason
+        if st is not None and not st.connected:
+            st.state = "finished" if reason == "finished" else "disconnected"
         log.info("stream closed job=%s rank=%d: %s", stream.spec.job, stream.spec.rank, reason)
 
-    def report(self, job: str, rank: int, wait_s: float, step_s: float) -> None:
+    def report(self, job: str, rank: int, wait_s: float, step_s: float,
+               position: tuple[int, int] | None = None) -> None:
         j = self.jobs.get(job)
         st = j.ranks.get(rank)
         if st is None:
             raise NotFound(f"job {job!r} has no rank {rank} on this feeder (ranks: {sorted(j.ranks)})")
         st.wait_s += max(0.0, wait_s)
         st.step_s += max(0.0, step_s)
+        if position is not None:
+            st.consumed = position
 
     def rss_mb(self) -> float:
         try:

@@ -26,36 +26,55 @@ def render(reply, target: str):
 
     t = Table(title=f"feeder {target}  region={reply.region}  up {reply.uptime_s:.0f}s  "
                     f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB", title_justify="left")
-    for col in ("job", "rank", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent", "restarts",
-                "last error"):
-        t.add_column(col, justify="right" if col not in ("job", "state", "last error") else "left")
+    left = ("job", "region", "state", "last error")
+    for col in ("job", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",
+                "restarts", "failovers", "bad records", "last error"):
+        t.add_column(col, justify="left" if col in left else "right")
     for j in reply.jobs:
         for r in j.ranks:
             pct = 100.0 * r.samples_done / r.samples_in_epoch if r.samples_in_epoch else 0.0
-            t.add_row(j.job, f"{r.rank}/{j.world_size}", "streaming" if r.connected else "idle", str(r.epoch),
+            t.add_row(j.job, f"{r.rank}/{j.world_size}", r.region or reply.region,
+                      r.state or ("streaming" if r.connected else "idle"), str(r.epoch),
                       f"{r.samples_done}/{r.samples_in_epoch} ({pct:.0f}%)", f"{r.tokens_per_s:,.0f}",
                       str(r.queue_depth), f"{100 * r.data_wait_fraction:.1f}%", f"{r.bytes_sent / 2**20:.1f} MiB",
-                      str(r.restarts), r.last_error[:60])
+                      str(r.restarts), str(r.failovers), str(r.bad_records), r.last_error[:60])
     if not reply.jobs:
         t.caption = "no jobs yet"
     return t
 
 
-def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2.0) -> int:
-    from rich.console import Console
+def _view(target: str, job: str):
+    """The table, or while watching, a line saying why there is none right now."""
+    from rich.text import Text
 
+    try:
+        return render(fetch(target, job), target)
+    except (Unavailable, NotFound) as e:
+        return Text(f"{time.strftime('%H:%M:%S')} {e.message} (retrying every few seconds)")
+
+
+def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2.0) -> int:
     import sys
 
-    console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and pipes: no squeezing
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    console = Console() if tty else Console(width=200)  # logs and pipes: no squeezing
     if not watch:
         console.print(render(fetch(target, job), target))
         return 0
-    from rich.live import Live
-
+    fetch(target, job)  # a wrong target or job is an error now, not an endless retry loop
     try:
-        with Live(render(fetch(target, job), target), console=console, refresh_per_second=4) as live:
+        if not tty:  # a pipe or a log: one snapshot per interval, appended
+            while True:
+                console.print(_view(target, job))
+                sys.stdout.flush()
+                time.sleep(interval)
+        from rich.live import Live
+
+        with Live(_view(target, job), console=console, refresh_per_second=4, screen=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(render(fetch(target, job), target))
+                live.update(_view(target, job))
     except KeyboardInterrupt:
         return 0

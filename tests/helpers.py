@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,3 +54,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class FeederProc:
+    """A `feeder serve` subprocess on a fixed port, so a restart keeps its address."""
+
+    def __init__(self, dataset, port=None, extra=(), source=None):
+        self.source = str(source or dataset)
+        self.port, self.extra = port or free_port(), list(extra)
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc = None
+        self.metrics = ""
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "feeder.cli", "serve", "--source", self.source, "--listen", self.address,
+             "--grace", "1", "--message-bytes", "8192", "--prefetch-messages", "2", *self.extra],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, f"feeder did not start: {line!r}"
+        if "--metrics-port" in self.extra:
+            line = self.proc.stdout.readline()
+            assert "metrics on " in line, line
+            self.metrics = line.split("metrics on ")[1].strip()
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            assert self.proc.wait(20) in (0, -signal.SIGKILL)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -13,38 +11,9 @@ import pytest
 
 from client import FeederDataset
 from feeder.sampler import n_samples, per_rank
-from tests.helpers import free_port, reference_ids, sample
+from tests.helpers import FeederProc, free_port, reference_ids, sample
 
 pytestmark = pytest.mark.fault
-
-
-class FeederProc:
-    """A `feeder serve` subprocess on a fixed port, so a restart keeps its address."""
-
-    def __init__(self, dataset, port=None):
-        self.dataset, self.port = dataset, port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.proc = None
-        self.start()
-
-    def start(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "feeder.cli", "serve", "--source", str(self.dataset), "--listen", self.address,
-             "--grace", "1", "--message-bytes", "8192", "--prefetch-messages", "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, f"feeder did not start: {line!r}"
-
-    def signal(self, sig):
-        self.proc.send_signal(sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            assert self.proc.wait(20) in (0, -signal.SIGKILL)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ Runs on the prefetch threads; numpy copies, crc32 and zstd all release the GIL.
 """
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class EncodedBatch:
     cursor: bytes
     raw_size: int
     crc32: int
+    read_s: float = 0.0    # time spent reading the source
 
     @property
     def wire_bytes(self) -> int:
@@ -53,10 +55,12 @@ def _zstd(level: int) -> pa.Codec:
 
 def encode(source: TokenSource, planned: PlannedBatch, *, seq_len: int, compression: str, level: int,
            secret: bytes) -> EncodedBatch:
+    t0 = time.perf_counter()
     tokens = gather(source, planned.ids, seq_len)
+    read_s = time.perf_counter() - t0
     raw = memoryview(tokens).cast("B")
     payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw.tobytes()
     return EncodedBatch(epoch=planned.epoch, step=planned.step, n=len(planned.ids), sample_len=seq_len + 1,
                         dtype=source.dtype.name, compression=compression, tokens=payload,
                         sample_ids=planned.ids.astype("<i8").tobytes(), cursor=planned.cursor.encode(secret),
-                        raw_size=raw.nbytes, crc32=zlib.crc32(raw))
+                        raw_size=raw.nbytes, crc32=zlib.crc32(raw), read_s=read_s)

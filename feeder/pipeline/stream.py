@@ -7,6 +7,7 @@ messages and bytes. However slowly the peer reads, a stream holds at most that b
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections import deque
@@ -22,6 +23,9 @@ from feeder.sources import TokenSource
 
 log = logging.getLogger("feeder.stream")
 
+# Upper bounds (seconds) of the source read latency histogram.
+READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
 
 @dataclass
 class RankState:
@@ -29,12 +33,14 @@ class RankState:
 
     rank: int
     connected: bool = False
+    state: str = "streaming"     # streaming | finished (all sent) | disconnected
     epoch: int = 0
     samples_done: int = 0
     samples_in_epoch: int = 0
     batches_sent: int = 0
     bytes_sent: int = 0
     raw_bytes_sent: int = 0
+    payload_bytes_sent: int = 0  # token bytes after compression
     tokens_sent: int = 0
     queue_depth: int = 0
     wait_s: float = 0.0
@@ -42,6 +48,14 @@ class RankState:
     last_error: str = ""
     peer: str = ""
     streams_opened: int = 0
+    failovers: int = 0
+    micro_batch: int = 1
+    consumed: tuple[int, int] | None = None   # (epoch, step) of the last batch the loop took
+    read_s: float = 0.0          # time spent reading the source for this rank's batches
+    reads: int = 0
+    read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
+    bad_records: int = 0         # skipped under bad_records=skip
+    kafka_lag: dict[int, int] = field(default_factory=dict)   # partition -> records behind the end
     rate_tokens: float = 0.0     # tokens/s, smoothed
     _rate_t: float = field(default_factory=time.monotonic)
     _rate_tokens: int = 0
@@ -49,9 +63,14 @@ class RankState:
     def sent(self, batches: list[EncodedBatch], wire: int) -> None:
         now = time.monotonic()
         toks = sum(b.raw_size // (2 if b.dtype == "uint16" else 4) for b in batches)
+        for b in batches:
+            self.read_s += b.read_s
+            self.reads += 1
+            self.read_buckets[bisect.bisect_left(READ_BUCKETS, b.read_s)] += 1
         self.batches_sent += len(batches)
         self.bytes_sent += wire
         self.raw_bytes_sent += sum(b.raw_size for b in batches)
+        self.payload_bytes_sent += sum(len(b.tokens) for b in batches)
         self.tokens_sent += toks
         self._rate_tokens += toks
         if now - self._rate_t >= 1.0:
@@ -62,6 +81,15 @@ class RankState:
     @property
     def data_wait_fraction(self) -> float:
         return self.wait_s / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, samples of it) the rank has taken, from its reports; until the first
+        report, what was sent (which runs ahead by the prefetch and the socket buffers)."""
+        if self.consumed is not None:
+            epoch, step = self.consumed
+            return epoch, min(self.samples_in_epoch, (step + 1) * self.micro_batch)
+        return self.epoch, self.samples_done
 
 
 @dataclass
@@ -112,8 +140,9 @@ class Jobs:
             old.supersede()
         j.streams[slot] = stream
         state = j.ranks.setdefault(spec.rank, RankState(rank=spec.rank))
-        state.connected = True
+        state.connected, state.state = True, "streaming"
         state.streams_opened += 1
+        state.micro_batch = spec.micro_batch
         return state
 
     def detach(self, spec: StreamSpec, stream: "RankStream") -> None:

@@ -52,6 +52,8 @@ class Server:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
         self.stopped = asyncio.Event()
+        self.metrics_server = None
+        self.metrics_address = ""
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -64,6 +66,11 @@ class Server:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         await self.server.start()
+        if self.cfg.metrics_listen:
+            from feeder.metrics import start_metrics
+
+            self.metrics_server, self.metrics_address = start_metrics(
+                self.engine, asyncio.get_running_loop(), self.cfg.metrics_listen)
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
@@ -81,6 +88,8 @@ class Server:
         if self.server is not None:
             await self.server.stop(self.cfg.grace_s if grace is None else grace)
         self.engine.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.stopped.set()
 
 

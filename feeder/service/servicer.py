@@ -62,7 +62,7 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       micro_batch=r.micro_batch, seed=r.seed, shuffle=r.shuffle, drop_last=r.drop_last,
                       epoch=r.epoch, num_epochs=r.num_epochs, compression=compression, compression_level=level,
                       worker_index=r.worker_index, num_workers=max(1, r.num_workers), reshard=r.reshard,
-                      expected_fingerprint=r.expected_fingerprint, dataset=r.dataset)
+                      expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records)
 
 
 def to_proto(b: EncodedBatch) -> pb.Batch:
@@ -79,7 +79,7 @@ class FeederServicer(pb_grpc.FeederServicer):
         engine = self.engine
         try:
             spec = spec_from_request(request, engine)
-            stream = engine.open_stream(spec, request.cursor, peer=context.peer())
+            stream = engine.open_stream(spec, request.cursor, peer=context.peer(), failover=request.failover)
         except FeederError as e:
             await _abort(context, e)
         reason = "cancelled by client"
@@ -119,14 +119,18 @@ class FeederServicer(pb_grpc.FeederServicer):
         for j in jobs:
             js = reply.jobs.add(job=j.job, dataset=j.dataset or e.default, world_size=j.world_size)
             for r in sorted(j.ranks.values(), key=lambda r: r.rank):
-                js.ranks.add(rank=r.rank, connected=r.connected, epoch=r.epoch, samples_done=r.samples_done,
+                epoch, done = r.position
+                js.ranks.add(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
                              samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent,
                              bytes_sent=r.bytes_sent, tokens_per_s=r.rate_tokens, queue_depth=r.queue_depth,
                              data_wait_fraction=r.data_wait_fraction, last_error=r.last_error, peer=r.peer,
-                             restarts=max(0, r.streams_opened - 1))
+                             restarts=max(0, r.streams_opened - 1), failovers=r.failovers,
+                             tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=e.cfg.region,
+                             state=r.state)
         return reply
 
     @unary
     async def Report(self, request, context):
-        self.engine.report(request.job, request.rank, request.wait_s, request.step_s)
+        self.engine.report(request.job, request.rank, request.wait_s, request.step_s,
+                           (request.epoch, request.step) if request.has_position else None)
         return pb.ReportReply()

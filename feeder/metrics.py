@@ -1,0 +1,134 @@
+"""Prometheus metrics, read from the engine's own state at scrape time.
+
+Nothing is counted twice: the per-rank figures `feeder status` shows (RankState) are the
+same numbers exported here, so the data path pays nothing per batch for metrics. A scrape
+runs on prometheus_client's HTTP thread; it takes a snapshot on the event loop (the only
+thread that mutates jobs), so it never sees a dict changing under it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+from feeder.pipeline.stream import READ_BUCKETS
+
+log = logging.getLogger("feeder.metrics")
+
+RANK = ("job", "rank")
+
+# name -> (kind, help, labels). The one list of what the feeder exports: the Grafana
+# dashboard test checks its queries against it.
+FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "feeder_batches_sent_total": ("counter", "Batches handed to gRPC", RANK),
+    "feeder_sent_bytes_total": ("counter", "Bytes of batch messages sent (after compression)", RANK),
+    "feeder_raw_bytes_total": ("counter", "Token bytes sent before compression", RANK),
+    "feeder_tokens_sent_total": ("counter", "Tokens sent", RANK),
+    "feeder_tokens_per_second": ("gauge", "Tokens/s sent, smoothed over the last seconds", RANK),
+    "feeder_compression_ratio": ("gauge", "Token bytes before / after compression so far (1 when uncompressed)", RANK),
+    "feeder_prefetch_queue_messages": ("gauge", "Messages built and waiting in the rank's prefetch queue", RANK),
+    "feeder_data_wait_seconds_total": ("counter", "Time the rank's training loop waited for data (reported)",
+                                       RANK),
+    "feeder_step_seconds_total": ("counter", "Wall time covered by the rank's reports", RANK),
+    "feeder_stream_restarts_total": ("counter", "Streams opened for a rank after its first on this feeder",
+                                     RANK),
+    "feeder_failovers_total": ("counter", "Streams a client opened here because its previous stream broke",
+                               RANK),
+    "feeder_rank_connected": ("gauge", "1 while the rank has an open stream here", RANK),
+    "feeder_epoch": ("gauge", "Epoch the rank's training loop is in (reported; else the epoch being sent)", RANK),
+    "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank has consumed (reported) or been sent",
+                                    RANK),
+    "feeder_source_read_seconds": ("histogram", "Time to read one batch's tokens from the source", RANK),
+    "feeder_bad_records_total": ("counter", "Kafka records skipped under bad_records=skip", RANK),
+    "feeder_kafka_lag_records": ("gauge", "Records between the rank's reader and the partition's end (follow)",
+                                 ("job", "rank", "partition")),
+    "feeder_streams_open": ("gauge", "Streams open in this process", ()),
+    "feeder_jobs": ("gauge", "Jobs known to this process", ()),
+    "feeder_resident_memory_bytes": ("gauge", "Resident set size of this process", ()),
+    "feeder_info": ("gauge", "Constant 1, labelled with the feeder's version and region", ("version", "region")),
+}
+
+
+@dataclass(frozen=True)
+class _RankRow:
+    job: str
+    rank: str
+    st: object  # a copy of RankState
+
+
+class EngineCollector:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+
+    def _snapshot(self) -> list[_RankRow]:
+        import copy
+
+        rows = []
+        for j in list(self.engine.jobs.jobs.values()):
+            for r in list(j.ranks.values()):
+                rows.append(_RankRow(j.job, str(r.rank), copy.copy(r)))
+        return rows
+
+    async def _on_loop(self):
+        return self._snapshot()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        try:
+            rows = asyncio.run_coroutine_threadsafe(self._on_loop(), self.loop).result(5)
+        except Exception as e:  # loop stopped or wedged: still export process-level figures
+            log.warning("metrics: no snapshot from the event loop (%s)", e)
+            rows = []
+        fam = {}
+        for name, (kind, doc, labels) in FAMILIES.items():
+            base = name[:-len("_total")] if kind == "counter" else name
+            cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                   "histogram": HistogramMetricFamily}[kind]
+            fam[name] = cls(base, doc, labels=list(labels))
+        for row in rows:
+            st, lab = row.st, [row.job, row.rank]
+            fam["feeder_batches_sent_total"].add_metric(lab, st.batches_sent)
+            fam["feeder_sent_bytes_total"].add_metric(lab, st.bytes_sent)
+            fam["feeder_raw_bytes_total"].add_metric(lab, st.raw_bytes_sent)
+            fam["feeder_tokens_sent_total"].add_metric(lab, st.tokens_sent)
+            fam["feeder_tokens_per_second"].add_metric(lab, st.rate_tokens if st.connected else 0.0)
+            fam["feeder_compression_ratio"].add_metric(lab, st.raw_bytes_sent / st.payload_bytes_sent if st.payload_bytes_sent else 1.0)
+            fam["feeder_prefetch_queue_messages"].add_metric(lab, st.queue_depth if st.connected else 0)
+            fam["feeder_data_wait_seconds_total"].add_metric(lab, st.wait_s)
+            fam["feeder_step_seconds_total"].add_metric(lab, st.step_s)
+            fam["feeder_stream_restarts_total"].add_metric(lab, max(0, st.streams_opened - 1))
+            fam["feeder_failovers_total"].add_metric(lab, st.failovers)
+            fam["feeder_rank_connected"].add_metric(lab, 1.0 if st.connected else 0.0)
+            epoch, done = st.position
+            fam["feeder_epoch"].add_metric(lab, epoch)
+            fam["feeder_epoch_progress_ratio"].add_metric(lab, done / st.samples_in_epoch if st.samples_in_epoch else 0.0)
+            cum, buckets = 0, []
+            for bound, n in zip((*READ_BUCKETS, float("inf")), st.read_buckets):
+                cum += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
+            fam["feeder_source_read_seconds"].add_metric(lab, buckets, st.read_s)
+            fam["feeder_bad_records_total"].add_metric(lab, st.bad_records)
+            for part, lag in sorted(st.kafka_lag.items()):
+                fam["feeder_kafka_lag_records"].add_metric([*lab, str(part)], lag)
+        e = self.engine
+        fam["feeder_streams_open"].add_metric([], e.jobs.streams_open)
+        fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
+        fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)
+        fam["feeder_info"].add_metric([e.version, e.cfg.region], 1.0)
+        yield from fam.values()
+
+
+def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str) -> tuple[object, str]:
+    """Serve /metrics on HOST:PORT (port 0: any free port); returns (server, 'HOST:PORT')."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    host, _, port = listen.rpartition(":")
+    host = host or "0.0.0.0"
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, loop))
+    server, _thread = start_http_server(int(port), addr=host, registry=registry)
+    real = server.server_port
+    log.info("metrics on %s:%d (pid %d)", host, real, os.getpid())
+    return server, f"{host}:{real}"

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env proto demo test test-fast bench clean
+.PHONY: env proto demo test test-fast bench kafka kafka-stop clean
 
 env: $(STAMP)
 
@@ -26,11 +26,21 @@ proto: env
 demo: env
 	$(PY) -m trainer.demo
 
+# The Kafka tests need the real broker: started before the suite, stopped after it
+# whatever the outcome (the suite's exit code is kept).
 test: env
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) deploy/kafka/broker.py start
+	$(PY) -m pytest -q -ra --durations=15; rc=$$?; $(PY) deploy/kafka/broker.py stop; exit $$rc
+
+# A single-node Apache Kafka broker (KRaft) on 127.0.0.1:9092, fetched from Maven Central.
+kafka:
+	$(PYTHON) deploy/kafka/broker.py start
+
+kafka-stop:
+	$(PYTHON) deploy/kafka/broker.py stop
 
 test-fast: env
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -m "not slow and not kafka"
 
 clean:
 	rm -rf $(VENV) build *.egg-info feeder/v1/*_pb2*.py* feeder/formats/*_pb2*.py* feeder/v1/.generated

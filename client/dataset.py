@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from client.stream import ClientConfig, FeederBatch, FeederClient

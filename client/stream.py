@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import grpc
 import numpy as np

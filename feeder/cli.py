@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 
@@ -29,6 +28,18 @@ def cmd_prep(args) -> int:
     m = prep(cfg, force=args.force)
     print(f"wrote {len(m.shards)} shard(s), {m.n_documents:,} documents, {m.n_tokens:,} tokens to {args.out} "
           f"(vocab {m.vocab_size}, {m.dtype}, fingerprint {m.fingerprint[:16]})")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from feeder.config import PublishConfig
+    from feeder.publish import publish
+
+    cfg = PublishConfig(inputs=tuple(args.inputs), to=args.to, partitions=args.partitions, tokenizer=args.tokenizer,
+                        eos_token=args.eos_token, key=args.key, workers=args.workers, progress=not args.quiet)
+    r = publish(cfg)
+    print(f"published {r['records']:,} records to {r['topic']} ({r['partitions']} partitions, vocab "
+          f"{r['vocab_size']}, eos {r['eos_id']})")
     return 0
 
 
@@ -113,8 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress output")
     s.set_defaults(fn=cmd_prep)
 
+    s = sub.add_parser("publish", help="tokenize documents into a Kafka topic, one record per document")
+    s.add_argument("inputs", nargs="+", help="same inputs as prep: .jsonl, .txt, .parquet, .tfrecord")
+    s.add_argument("--to", required=True, help="kafka://HOST:PORT/TOPIC (the topic is created when missing)")
+    s.add_argument("--partitions", type=int, default=0, help="partitions of a new topic (default 3)")
+    s.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
+    s.add_argument("--eos-token", default="", help="end-of-document token of a tokenizer.json")
+    s.add_argument("--key", default="", choices=["", "index"],
+                   help="'index': key records by document index (the broker partitions by key); "
+                        "default: document i -> partition i mod P")
+    s.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: one per core)")
+    s.add_argument("--quiet", action="store_true", help="no progress output")
+    s.set_defaults(fn=cmd_publish)
+
     s = sub.add_parser("serve", help="serve a dataset to training ranks")
-    s.add_argument("--source", required=True, help="dataset directory (manifest.json, or Parquet token files)")
+    s.add_argument("--source", required=True, help="dataset directory (manifest.json, or Parquet token files), "
+                   "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]")
     s.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (port 0: any free port)")
     s.add_argument("--region", default="local")
     s.add_argument("--prefetch-messages", type=int, default=8, help="messages queued ahead per stream")

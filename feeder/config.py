@@ -146,3 +146,27 @@ class PrepConfig:
         _positive("chunk_tokens", self.chunk_tokens)
         _non_negative("workers", self.workers)
         _positive("batch_docs", self.batch_docs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishConfig:
+    inputs: tuple[str, ...]
+    to: str                          # kafka://HOST:PORT/TOPIC
+    partitions: int = 0              # 0: the topic's count, or 3 for a new topic
+    tokenizer: str = "byte"
+    eos_token: str = ""
+    key: str = ""                    # "" : document i -> partition i mod P; "index": key = i, broker hashes
+    workers: int = 0
+    batch_docs: int = 256
+    progress: bool = True
+
+    def __post_init__(self):
+        if not self.inputs:
+            raise InvalidArgument("feeder publish needs at least one input file, got none")
+        if not self.to.startswith("kafka://"):
+            raise InvalidArgument(f"--to must be kafka://HOST:PORT/TOPIC, got {self.to!r}")
+        _non_negative("partitions", self.partitions)
+        if self.key not in ("", "index"):
+            raise InvalidArgument(f"--key must be 'index' (or left out for round-robin), got {self.key!r}")
+        _non_negative("workers", self.workers)
+        _positive("batch_docs", self.batch_docs)

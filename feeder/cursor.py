@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from feeder.errors import FailedPrecondition
 
 MAGIC = b"FC"
-VERSION = 1
+VERSION = 2            # 2 added `src`; version 1 cursors (no src) are still accepted
 KIND_SAMPLED = 1
 MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
@@ -38,14 +38,16 @@ class Cursor:
     base: int      # start of the current segment in the epoch's global order (elastic)
     pos: int       # samples of this rank's segment list already delivered
     step: int      # batches already delivered in this epoch
+    src: str = ""  # source position the sampler cannot derive: Kafka offset ranges / offsets
 
     def encode(self, secret: bytes) -> bytes:
         job = self.job.encode()
         fp = self.fingerprint.encode()
+        src = self.src.encode()
         flags = (1 if self.shuffle else 0) | (2 if self.drop_last else 0)
         body = b"".join([
             MAGIC, bytes([VERSION, KIND_SAMPLED]),
-            struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp,
+            struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp, struct.pack(">I", len(src)), src,
             _FIXED.pack(self.seed, flags, 0, self.seq_len, self.world_size, self.rank,
                         self.epoch, self.base, self.pos, self.step),
         ])
@@ -56,8 +58,8 @@ class Cursor:
         if len(data) < 4 + MAC_LEN or data[:2] != MAGIC:
             raise FailedPrecondition(
                 f"cursor is not a feeder cursor ({len(data)} bytes, expected one returned with a batch)")
-        if data[2] != VERSION:
-            raise FailedPrecondition(f"cursor version {data[2]} is not supported, expected {VERSION}")
+        if data[2] not in (1, VERSION):
+            raise FailedPrecondition(f"cursor version {data[2]} is not supported, expected 1 or {VERSION}")
         body, mac = data[:-MAC_LEN], data[-MAC_LEN:]
         if not hmac.compare_digest(mac, _mac(secret, body)):
             raise FailedPrecondition(
@@ -73,12 +75,17 @@ class Cursor:
             (fl,) = struct.unpack_from(">H", body, at)
             fp = body[at + 2:at + 2 + fl].decode()
             at += 2 + fl
+            src = ""
+            if data[2] >= 2:
+                (sl,) = struct.unpack_from(">I", body, at)
+                src = body[at + 4:at + 4 + sl].decode()
+                at += 4 + sl
             seed, flags, _, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
         except (struct.error, UnicodeDecodeError) as e:
             raise FailedPrecondition(f"cursor is malformed: {e}") from None
         return cls(job=job, fingerprint=fp, seed=seed, shuffle=bool(flags & 1),
                    drop_last=bool(flags & 2), seq_len=seq_len, world_size=world, rank=rank,
-                   epoch=epoch, base=base, pos=pos, step=step)
+                   epoch=epoch, base=base, pos=pos, step=step, src=src)
 
 
 def _mac(secret: bytes, body: bytes) -> bytes:

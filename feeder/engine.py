@@ -2,6 +2,7 @@
 translates requests into StreamSpecs and FeederErrors into status codes."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -38,16 +39,21 @@ class Engine:
             raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})")
         return src
 
-    def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "", failover: bool = False) -> RankStream:
+    async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
+                          failover: bool = False) -> RankStream:
         src = self.source(spec.dataset)
-        if spec.expected_fingerprint and spec.expected_fingerprint != src.fingerprint:
-            raise FailedPrecondition(
-                f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
-                f"replica of {src.name!r} (region {self.cfg.region}) has {src.fingerprint}; refusing to serve "
-                "other data")
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
-        plan = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=decoded)
-        stream = RankStream(spec, plan, src, self.cfg, self.pool)
+        if hasattr(src, "plan_for"):
+            # Kafka decides per job what an epoch is, and may read a topic to find out: off the loop.
+            plan, data = await asyncio.to_thread(src.plan_for, spec, decoded)
+        else:
+            if spec.expected_fingerprint and spec.expected_fingerprint != src.fingerprint:
+                raise FailedPrecondition(
+                    f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
+                    f"replica of {src.name!r} (region {self.cfg.region}) has {src.fingerprint}; refusing to serve "
+                    "other data")
+            plan, data = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=decoded), src
+        stream = RankStream(spec, plan, data, self.cfg, self.pool)
         stream.state = self.jobs.attach(spec, stream)
         stream.state.peer = peer
         stream.state.last_error = ""
@@ -56,7 +62,7 @@ class Engine:
             self.ledger.write(json.dumps({"open": spec.job, "region": self.cfg.region, "n": plan.n,
                                           "world": spec.world_size, "rank": spec.rank, "seed": spec.seed,
                                           "shuffle": spec.shuffle, "drop_last": spec.drop_last,
-                                          "fingerprint": src.fingerprint}) + "\n")
+                                          "fingerprint": plan.fingerprint}) + "\n")
         log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s%s",
                  spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,
                  plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "",
@@ -107,5 +113,8 @@ class Engine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for src in self.sources.values():
+            if hasattr(src, "close"):
+                src.close()
         if self.ledger:
             self.ledger.close()

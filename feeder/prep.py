@@ -262,33 +262,13 @@ def prep(cfg: PrepConfig, *, force: bool = False) -> mf.Manifest:
         (out / mf.NAME).unlink()
     dtype = mf.dtype_for_vocab(tok.vocab_size)
     writer = ShardWriter(out, dtype, cfg.shard_tokens, cfg.chunk_tokens)
-    workers = cfg.workers or os.cpu_count() or 1
     total = sum(os.path.getsize(p) for p in cfg.inputs)
     progress = Progress("prep", total, enabled=cfg.progress)
-
-    def units():
-        for path in cfg.inputs:
-            yield from read_units(path, cfg.batch_docs)
-
     try:
-        if workers == 1:
-            _init_worker(cfg.tokenizer, cfg.eos_token)
-            for unit, nbytes in units():
-                tokens, lengths = encode_unit(unit)
-                writer.add(tokens, lengths)
-                progress.advance(docs=len(lengths), tokens=len(tokens), nbytes=nbytes)
-        else:
-            import multiprocessing as mp
-
-            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                     initargs=(cfg.tokenizer, cfg.eos_token)) as pool:
-                window: deque = deque()  # bounded: at most 2 units per worker in flight
-                for unit, nbytes in units():
-                    window.append((pool.submit(encode_unit, unit), nbytes))
-                    if len(window) >= 2 * workers:
-                        _drain_one(window, writer, progress)
-                while window:
-                    _drain_one(window, writer, progress)
+        for tokens, lengths, nbytes in tokenized(cfg.inputs, cfg.tokenizer, cfg.eos_token, workers=cfg.workers,
+                                                 batch_docs=cfg.batch_docs):
+            writer.add(tokens, lengths)
+            progress.advance(docs=len(lengths), tokens=len(tokens), nbytes=nbytes)
     finally:
         progress.close()
     shards = writer.close()
@@ -296,8 +276,32 @@ def prep(cfg: PrepConfig, *, force: bool = False) -> mf.Manifest:
                                      eos_id=tok.eos_id, dtype=dtype, shards=tuple(shards)))
 
 
-def _drain_one(window: deque, writer: ShardWriter, progress: Progress) -> None:
-    fut, nbytes = window.popleft()
-    tokens, lengths = fut.result()
-    writer.add(tokens, lengths)
-    progress.advance(docs=len(lengths), tokens=len(tokens), nbytes=nbytes)
+def tokenized(inputs, tokenizer: str, eos_token: str = "", *, workers: int = 0,
+              batch_docs: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """(tokens with an EOS after each document, per-document lengths, input bytes covered),
+    in input order, from a pool of tokenizer processes with a bounded window of work in
+    flight (2 units per worker): memory stays flat however large the input."""
+    workers = workers or os.cpu_count() or 1
+
+    def units():
+        for path in inputs:
+            yield from read_units(path, batch_docs)
+
+    if workers == 1:
+        _init_worker(tokenizer, eos_token)
+        for unit, nbytes in units():
+            yield (*encode_unit(unit), nbytes)
+        return
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=(tokenizer, eos_token)) as pool:
+        window: deque = deque()
+        for unit, nbytes in units():
+            window.append((pool.submit(encode_unit, unit), nbytes))
+            if len(window) >= 2 * workers:
+                fut, n = window.popleft()
+                yield (*fut.result(), n)
+        while window:
+            fut, n = window.popleft()
+            yield (*fut.result(), n)

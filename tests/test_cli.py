@@ -1,8 +1,6 @@
 """The command line as users run it: subprocesses, exit codes, messages, no tracebacks."""
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys

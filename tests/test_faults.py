@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from client import FeederDataset
 from feeder.sampler import n_samples, per_rank
-from tests.helpers import FeederProc, free_port, reference_ids, sample
+from tests.helpers import FeederProc, reference_ids, sample
 
 pytestmark = pytest.mark.fault
 

@@ -1,7 +1,6 @@
 """The pure sampler against torch's DistributedSampler, and elastic re-dealing."""
 import itertools
 
-import numpy as np
 import pytest
 
 from feeder import sampler

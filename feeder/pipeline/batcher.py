@@ -56,7 +56,7 @@ def _zstd(level: int) -> pa.Codec:
 def encode(source: TokenSource, planned: PlannedBatch, *, seq_len: int, compression: str, level: int,
            secret: bytes) -> EncodedBatch:
     t0 = time.perf_counter()
-    tokens = gather(source, planned.ids, seq_len)
+    tokens = planned.tokens if planned.tokens is not None else gather(source, planned.ids, seq_len)
     read_s = time.perf_counter() - t0
     raw = memoryview(tokens).cast("B")
     payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw.tobytes()

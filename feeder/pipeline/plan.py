@@ -32,12 +32,16 @@ class PlannedBatch:
     ids: np.ndarray        # int64 [k]
     cursor: Cursor         # resume right after this batch
     samples_in_epoch: int  # this rank's total for the epoch (for progress)
+    tokens: np.ndarray | None = None   # set by plans that read tokens themselves (Kafka follow)
 
 
 class StreamPlan:
-    def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None):
+    def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
+                 src: str = ""):
         self.spec = spec
         self.fingerprint = fingerprint
+        self.src = src               # carried in every cursor (Kafka bounded: the frozen offset ranges)
+        self.bad_records = 0
         self.n = sampler.n_samples(n_tokens, spec.seq_len)
         if self.n == 0:
             raise FailedPrecondition(f"the dataset has {n_tokens} tokens, too few for one sample of "
@@ -73,6 +77,9 @@ class StreamPlan:
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
         return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)
 
+    def close(self) -> None:
+        pass
+
     def batches(self) -> Iterator[PlannedBatch]:
         s, n = self.spec, self.n
         epoch, end = self.start.epoch, s.end_epoch
@@ -89,7 +96,7 @@ class StreamPlan:
                                        start=pos, stop=stop)
                 cursor = Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
                                 drop_last=s.drop_last, seq_len=s.seq_len, world_size=world, rank=s.rank,
-                                epoch=epoch, base=base, pos=stop, step=step + 1)
+                                epoch=epoch, base=base, pos=stop, step=step + 1, src=self.src)
                 yield PlannedBatch(epoch=epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=per)
                 pos, step = stop, step + 1
             epoch += 1

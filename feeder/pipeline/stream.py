@@ -22,6 +22,7 @@ from feeder.pipeline.plan import PlannedBatch, StreamPlan
 from feeder.sources import TokenSource
 
 log = logging.getLogger("feeder.stream")
+_DONE = object()
 
 # Upper bounds (seconds) of the source read latency histogram.
 READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -189,11 +190,15 @@ class RankStream:
     def _finish(self, error: BaseException | None) -> None:
         if not self._finished:
             self._finished, self._end = True, error
+            self.plan.close()   # a plan blocked on its source (Kafka follow) lets its thread go
         self._changed.set()
 
-    def _selected(self) -> Iterator[PlannedBatch]:
+    def _selected(self) -> Iterator[PlannedBatch | None]:
         k, w, i = 0, self.spec.num_workers, self.spec.worker_index
         for planned in self.plan.batches():
+            if planned is None:  # the plan would block (a tailed topic): flush what is built
+                yield None
+                continue
             if k % w == i:
                 yield planned
             k += 1
@@ -204,11 +209,20 @@ class RankStream:
             raise self._deferred
         out, size, per = [], 0, 0
         s = self.spec
-        for planned in it:
+        while True:
             try:
+                planned = next(it, _DONE)
+                if planned is _DONE:
+                    break
+                if planned is None:
+                    if out:
+                        break
+                    if self._finished:
+                        return None
+                    continue
                 b = encode(self.source, planned, seq_len=s.seq_len, compression=s.compression,
                            level=s.compression_level, secret=self.cfg.cursor_secret)
-            except FeederError as e:
+            except FeederError as e:  # from the source (corrupt shard, bad Kafka record, ...)
                 if not out:
                     raise
                 self._deferred = e  # send the good batches before it first
@@ -224,9 +238,14 @@ class RankStream:
         loop = asyncio.get_running_loop()
         it = self._selected()
         cfg = self.cfg
+        # A plan that blocks on its source (tailing Kafka) gets a thread of its own, so it
+        # never holds the shared pool's threads away from other streams.
+        pool = getattr(self.plan, "executor", None) or self.pool
         try:
             while True:
-                built = await loop.run_in_executor(self.pool, self._build_message, it)
+                built = await loop.run_in_executor(pool, self._build_message, it)
+                if self._finished:
+                    return
                 if built is None:
                     self._finish(None)
                     return
@@ -265,6 +284,8 @@ class RankStream:
                 self._changed.set()
                 st = self.state
                 if st is not None:
+                    st.bad_records = self.plan.bad_records
+                    st.kafka_lag = dict(getattr(self.plan, "lag", {}))
                     last = msg[-1]
                     st.epoch, st.samples_in_epoch = last.epoch, per
                     st.samples_done = min(per, (last.step + 1) * self.spec.micro_batch)

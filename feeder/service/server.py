@@ -38,9 +38,14 @@ SERVER_OPTIONS = [
 
 
 def load_sources(cfg: ServeConfig) -> dict[str, TokenSource]:
-    from feeder.sources.posix import open_source
+    if cfg.source.startswith("kafka://"):
+        from feeder.sources.kafka import KafkaSource, KafkaURL
 
-    src = open_source(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id)
+        src = KafkaSource(KafkaURL.parse(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id))
+    else:
+        from feeder.sources.posix import open_source
+
+        src = open_source(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id)
     return {src.name: src}
 
 

@@ -79,7 +79,7 @@ class FeederServicer(pb_grpc.FeederServicer):
         engine = self.engine
         try:
             spec = spec_from_request(request, engine)
-            stream = engine.open_stream(spec, request.cursor, peer=context.peer(), failover=request.failover)
+            stream = await engine.open_stream(spec, request.cursor, peer=context.peer(), failover=request.failover)
         except FeederError as e:
             await _abort(context, e)
         reason = "cancelled by client"
@@ -105,7 +105,8 @@ class FeederServicer(pb_grpc.FeederServicer):
     async def Info(self, request, context):
         e = self.engine
         src = e.source(request.dataset)
-        return pb.InfoReply(fingerprint=src.fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
+        fingerprint = await asyncio.to_thread(lambda: src.fingerprint)  # Kafka asks the broker
+        return pb.InfoReply(fingerprint=fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
                             vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],
                             region=e.cfg.region, version=e.version, datasets=sorted(e.sources))
 

@@ -1,5 +1,6 @@
-"""Build hook: generate the gRPC code from protos/ at build and install time."""
-from setuptools import setup
+"""Build hooks: generate the gRPC code from protos/ at build and install time, and build the
+small optional C shuffle (feeder/_shuffle.c; without a compiler the feeder uses torch's)."""
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
@@ -15,4 +16,5 @@ class BuildWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildWithProtos})
+setup(cmdclass={"build_py": BuildWithProtos},
+      ext_modules=[Extension("feeder._shuffle", ["feeder/_shuffle.c"], optional=True)])

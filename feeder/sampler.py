@@ -1,6 +1,6 @@
 """Which rank gets which sample: exactly torch's DistributedSampler, plus elastic re-dealing.
 
-Pure: no I/O, no gRPC. The permutation comes from torch.randperm itself (same generator,
+Pure: no I/O, no gRPC. The permutation is torch.randperm's (same generator,
 same seed + epoch) so ids match torch id by id; everything else is integer arithmetic.
 
 A *segment* generalises DistributedSampler for elastic restarts: the epoch's global order
@@ -49,11 +49,7 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
             return hit
     dtype = np.int32 if n < 2**31 else np.int64
     if shuffle:
-        import torch  # same generator as DistributedSampler: randperm seeded with seed + epoch
-
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        order = torch.randperm(n, generator=g).numpy().astype(dtype, copy=False)
+        order = randperm(n, seed + epoch).astype(dtype, copy=False)
     else:
         order = np.arange(n, dtype=dtype)
     order.setflags(write=False)
@@ -61,6 +57,31 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         _ORDER_CACHE[key] = order
         while len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
             _ORDER_CACHE.popitem(last=False)
+    return order
+
+
+def randperm(n: int, seed: int) -> np.ndarray:
+    """torch.randperm(n, generator=torch.Generator().manual_seed(seed)), without torch.
+
+    torch's CPU generator is MT19937 seeded with the low 32 bits of the seed (the classic
+    init_genrand, which numpy's legacy RandomState also uses), and for n < 2^32/20 randperm
+    is the Fisher-Yates loop `swap(r[i], r[i + draw % (n - i)])` over its 32-bit draws. The
+    loop runs in C (feeder/_shuffle.c) so the feeder need not import torch (~500 MB resident).
+    tests/test_sampler.py checks it against torch itself.
+    """
+    try:
+        from feeder._shuffle import fisher_yates
+    except ImportError:  # no C compiler at install: torch's own, at the cost of its memory
+        fisher_yates = None
+    if fisher_yates is None or n >= 2**32 // 20:
+        import torch  # torch switches to another algorithm for huge n: use it there
+
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return torch.randperm(n, generator=g).numpy()
+    draws = np.random.RandomState(seed & 0xFFFFFFFF).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
+    order = np.arange(n, dtype=np.int64)
+    fisher_yates(order, draws)
     return order
 
 

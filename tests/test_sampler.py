@@ -52,3 +52,28 @@ def test_reshard_deals_remaining_samples_once(n, old, new, steps, mb):
     # deterministic: the same inputs give the same deal
     again = sampler.rank_ids(order, base=base, world=new, rank=0, drop_last=True, start=0, stop=per)
     assert again.tolist() == rest[:per]
+
+
+@pytest.mark.parametrize("n,seed", [(0, 1), (1, 1), (2, 5), (97, 0), (10_000, 7), (123_457, 2**33 + 5),
+                                    (1_000_003, 2**40 + 17)])
+def test_randperm_without_torch_is_torchs_randperm(n, seed):
+    import feeder._shuffle  # noqa: F401  (built at install; the torch-free path is what is tested)
+    import numpy as np
+    import torch
+
+    from feeder.sampler import randperm
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    assert np.array_equal(randperm(n, seed), torch.randperm(n, generator=g).numpy())
+
+
+def test_the_feeder_process_does_not_import_torch(tmp_path):
+    """torch costs ~500 MB of resident memory; the feeder's shuffle must not pull it in."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from feeder.sampler import epoch_order; from feeder.service import server; "
+            "epoch_order(1000, 3, 1, True); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

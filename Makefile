@@ -32,6 +32,10 @@ test: env
 	$(PY) deploy/kafka/broker.py start
 	$(PY) -m pytest -q -ra --durations=15; rc=$$?; $(PY) deploy/kafka/broker.py stop; exit $$rc
 
+# Figures in bench/results.json and bench/throughput.png (the README quotes them).
+bench: env
+	$(PY) -m feeder.cli bench --json bench/results.json --plot bench/throughput.png
+
 # A single-node Apache Kafka broker (KRaft) on 127.0.0.1:9092, fetched from Maven Central.
 kafka:
 	$(PYTHON) deploy/kafka/broker.py start

@@ -12,9 +12,9 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
+import google_crc32c
 import grpc
 import numpy as np
 import pyarrow as pa
@@ -34,6 +34,7 @@ COMPRESSION = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.RESOURCE_EXHAUSTED}
+_ZSTD = pa.Codec("zstd")
 CODES = {s: c for c in Code for s in grpc.StatusCode if s.name == c.name}
 
 
@@ -87,11 +88,11 @@ def decode(b: pb.Batch, region: str = "") -> FeederBatch:
     if dtype is None:
         raise FeederError(f"batch has unknown dtype {b.dtype}", code=Code.DATA_LOSS)
     if b.compression == pb.COMPRESSION_ZSTD:
-        raw = pa.Codec("zstd").decompress(b.tokens, decompressed_size=b.raw_size)
+        raw = _ZSTD.decompress(b.tokens, decompressed_size=b.raw_size, asbytes=True)
     else:
         raw = b.tokens
-    if zlib.crc32(raw) != b.crc32:
-        raise FeederError(f"batch epoch {b.epoch} step {b.step} failed its crc32 check", code=Code.DATA_LOSS)
+    if google_crc32c.value(raw) != b.crc32c:
+        raise FeederError(f"batch epoch {b.epoch} step {b.step} failed its crc32c check", code=Code.DATA_LOSS)
     arr = np.frombuffer(raw, dtype=dtype).reshape(b.n, b.sample_len)
     tokens = torch.empty((b.n, b.sample_len), dtype=torch.int64)
     np.copyto(tokens.numpy(), arr, casting="unsafe")  # widen straight into the tensor's memory

@@ -43,6 +43,21 @@ def cmd_publish(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from feeder.bench import BenchConfig, run, table
+
+    cfg = BenchConfig(data=args.data, ranks=args.ranks, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                      seconds=args.seconds, message_bytes=args.message_bytes, kafka=args.kafka, quick=args.quick,
+                      corpus_bytes=(2 << 20) if args.quick else (12 << 20))
+    r = run(cfg, json_path=args.json, plot_path=args.plot)
+    print(table(r))
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def serve_config(args):
     from feeder.config import ServeConfig
 
@@ -159,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
     s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")
     s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("bench", help="measure the feeder against a raw socket, bare gRPC and a local DataLoader")
+    s.add_argument("--json", default="", help="write every figure here")
+    s.add_argument("--plot", default="", help="draw throughput against ranks and the data-wait share (PNG)")
+    s.add_argument("--data", default="bench/data", help="where the corpus, tokenizer and shards are kept")
+    s.add_argument("--ranks", type=int, default=8)
+    s.add_argument("--seq-len", type=int, default=2048)
+    s.add_argument("--micro-batch", type=int, default=8)
+    s.add_argument("--seconds", type=float, default=4.0, help="measuring time per figure")
+    s.add_argument("--message-bytes", type=int, default=4 << 20)
+    s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
+    s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
+    s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("audit", help="prove from ledgers that each epoch was delivered exactly once")
     s.add_argument("ledgers", nargs="+", help="ledger files of every feeder that served the job")

@@ -23,8 +23,9 @@ log = logging.getLogger("feeder.engine")
 
 
 class Engine:
-    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource]):
+    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource], serialize=None):
         self.cfg = cfg
+        self.serialize = serialize   # list[EncodedBatch] -> wire bytes, run on the pool threads
         self.sources = sources
         self.default = next(iter(sources))
         self.jobs = Jobs()
@@ -53,7 +54,7 @@ class Engine:
                     f"replica of {src.name!r} (region {self.cfg.region}) has {src.fingerprint}; refusing to serve "
                     "other data")
             plan, data = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=decoded), src
-        stream = RankStream(spec, plan, data, self.cfg, self.pool)
+        stream = RankStream(spec, plan, data, self.cfg, self.pool, self.serialize)
         stream.state = self.jobs.attach(spec, stream)
         stream.state.peer = peer
         stream.state.last_error = ""

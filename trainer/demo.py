@@ -6,39 +6,19 @@ few hundred steps, shows the loss falling and the feed's throughput, stops every
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
+from feeder.corpus import build_corpus
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "demo"
-CORPUS_BYTES = 12 << 20
-
-
-def build_corpus(path: Path) -> int:
-    """Standard-library .py files and .txt/.rst docs, one document per file, sorted for determinism."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*") if p.suffix in (".py", ".txt", ".rst") and p.is_file()
-                   and "site-packages" not in p.parts and "test" not in p.parts)
-    total = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for p in files:
-            try:
-                text = p.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            f.write(json.dumps({"text": text}) + "\n")
-            total += len(text)
-            if total >= CORPUS_BYTES:
-                break
-    return total
 
 
 def free_port() -> int:

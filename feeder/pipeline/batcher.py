@@ -1,13 +1,13 @@
 """Planned batch -> encoded batch: gather samples from the source, narrow, checksum, compress.
 
-Runs on the prefetch threads; numpy copies, crc32 and zstd all release the GIL.
+Runs on the prefetch threads; numpy copies, crc32c and zstd all release the GIL.
 """
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 
+import google_crc32c
 import numpy as np
 import pyarrow as pa
 
@@ -27,7 +27,7 @@ class EncodedBatch:
     sample_ids: bytes      # little-endian int64
     cursor: bytes
     raw_size: int
-    crc32: int
+    crc32c: int
     read_s: float = 0.0    # time spent reading the source
 
     @property
@@ -58,9 +58,9 @@ def encode(source: TokenSource, planned: PlannedBatch, *, seq_len: int, compress
     t0 = time.perf_counter()
     tokens = planned.tokens if planned.tokens is not None else gather(source, planned.ids, seq_len)
     read_s = time.perf_counter() - t0
-    raw = memoryview(tokens).cast("B")
-    payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw.tobytes()
+    raw = tokens.tobytes()   # google_crc32c takes bytes only; uncompressed, this is the payload itself
+    payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw
     return EncodedBatch(epoch=planned.epoch, step=planned.step, n=len(planned.ids), sample_len=seq_len + 1,
                         dtype=source.dtype.name, compression=compression, tokens=payload,
                         sample_ids=planned.ids.astype("<i8").tobytes(), cursor=planned.cursor.encode(secret),
-                        raw_size=raw.nbytes, crc32=zlib.crc32(raw), read_s=read_s)
+                        raw_size=len(raw), crc32c=google_crc32c.value(raw), read_s=read_s)

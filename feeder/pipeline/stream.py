@@ -23,6 +23,7 @@ from feeder.sources import TokenSource
 
 log = logging.getLogger("feeder.stream")
 _DONE = object()
+MAX_BATCHES_PER_MESSAGE = 256
 
 # Upper bounds (seconds) of the source read latency histogram.
 READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -163,8 +164,9 @@ class Jobs:
 
 class RankStream:
     def __init__(self, spec: StreamSpec, plan: StreamPlan, source: TokenSource, cfg: ServeConfig,
-                 pool: ThreadPoolExecutor):
+                 pool: ThreadPoolExecutor, serialize=None):
         self.spec, self.plan, self.source, self.cfg, self.pool = spec, plan, source, cfg, pool
+        self.serialize = serialize or (lambda batches: batches)
         self.state: RankState | None = None
         # The prefetch queue: messages built ahead, bounded in count and bytes.
         self._items: deque = deque()
@@ -174,6 +176,7 @@ class RankStream:
         self._finished = False
         self._deferred: FeederError | None = None
         self._producer: asyncio.Task | None = None
+        self._built_any = False
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
@@ -230,9 +233,12 @@ class RankStream:
             out.append(b)
             size += b.wire_bytes
             per = planned.samples_in_epoch
-            if size >= self.cfg.message_bytes:
+            # The first message holds one batch (time to first batch); later ones fill up to
+            # message_bytes, but never so many small batches that one message takes long to build.
+            if size >= self.cfg.message_bytes or len(out) >= MAX_BATCHES_PER_MESSAGE or not self._built_any:
                 break
-        return (out, per) if out else None
+        self._built_any = True
+        return (out, per, self.serialize(out)) if out else None
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
@@ -249,7 +255,7 @@ class RankStream:
                 if built is None:
                     self._finish(None)
                     return
-                size = sum(b.wire_bytes for b in built[0])
+                size = len(built[2]) if isinstance(built[2], bytes) else sum(b.wire_bytes for b in built[0])
                 # Wait for room; one message always fits, so a huge one cannot deadlock.
                 while self._items and (len(self._items) >= cfg.prefetch_messages
                                        or self._bytes + size > cfg.prefetch_bytes):
@@ -279,7 +285,7 @@ class RankStream:
                         return
                     self._changed.clear()
                     await self._changed.wait()
-                (msg, per), size = self._items.popleft()
+                (msg, per, wire), size = self._items.popleft()
                 self._bytes -= size
                 self._changed.set()
                 st = self.state
@@ -290,7 +296,7 @@ class RankStream:
                     st.epoch, st.samples_in_epoch = last.epoch, per
                     st.samples_done = min(per, (last.step + 1) * self.spec.micro_batch)
                     st.queue_depth = len(self._items)
-                yield msg
+                yield msg, wire
         finally:
             self._finish(None)
             if not self._producer.done():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import threading
@@ -12,10 +13,10 @@ from grpc_reflection.v1alpha import reflection
 
 from feeder.config import ServeConfig
 from feeder.engine import Engine
-from feeder.service.servicer import FeederServicer
+from feeder.service.wire import encode_reply
+from feeder.service.servicer import FeederServicer, add_to_server
 from feeder.sources import TokenSource
 from feeder.v1 import feeder_pb2 as pb
-from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("feeder.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name
@@ -52,7 +53,8 @@ def load_sources(cfg: ServeConfig) -> dict[str, TokenSource]:
 class Server:
     def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource] | None = None):
         self.cfg = cfg
-        self.engine = Engine(cfg, sources if sources is not None else load_sources(cfg))
+        self.engine = Engine(cfg, sources if sources is not None else load_sources(cfg),
+                             serialize=functools.partial(encode_reply, region=cfg.region))
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
@@ -62,7 +64,7 @@ class Server:
 
     async def start(self) -> int:
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_FeederServicer_to_server(FeederServicer(self.engine), self.server)
+        add_to_server(FeederServicer(self.engine), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -17,6 +17,7 @@ from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("feeder.service")
+SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name
 
 STATUS = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,9 +67,31 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
 
 
 def to_proto(b: EncodedBatch) -> pb.Batch:
+    """The protobuf object of a batch (the stream itself sends wire.encode_reply's bytes)."""
     return pb.Batch(epoch=b.epoch, step=b.step, n=b.n, sample_len=b.sample_len, dtype=DTYPE_ENUM[b.dtype],
                     compression=COMPRESSION_ENUM[b.compression], tokens=b.tokens, sample_ids=b.sample_ids,
-                    cursor=b.cursor, raw_size=b.raw_size, crc32=b.crc32)
+                    cursor=b.cursor, raw_size=b.raw_size, crc32c=b.crc32c)
+
+
+def add_to_server(servicer: "FeederServicer", server) -> None:
+    """Like the generated add_FeederServicer_to_server, except that Stream's replies arrive
+    already serialized (bytes, built off the event loop) and go to gRPC as they are."""
+    handlers = {
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            servicer.Stream, request_deserializer=pb.StreamRequest.FromString, response_serializer=None),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info, request_deserializer=pb.InfoRequest.FromString,
+            response_serializer=pb.InfoReply.SerializeToString),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status, request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusReply.SerializeToString),
+        "Report": grpc.unary_unary_rpc_method_handler(
+            servicer.Report, request_deserializer=pb.ReportRequest.FromString,
+            response_serializer=pb.ReportReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class FeederServicer(pb_grpc.FeederServicer):
@@ -84,10 +107,9 @@ class FeederServicer(pb_grpc.FeederServicer):
             await _abort(context, e)
         reason = "cancelled by client"
         try:
-            async for msg in stream.messages():
-                reply = pb.StreamReply(batches=[to_proto(b) for b in msg], region=engine.cfg.region)
+            async for msg, reply in stream.messages():
                 yield reply
-                stream.state.sent(msg, reply.ByteSize())
+                stream.state.sent(msg, len(reply))
                 engine.delivered(stream, msg)
             reason = "finished"
         except FeederError as e:

@@ -14,13 +14,20 @@ DTYPE = {"uint16": 1, "uint32": 2}          # feeder.v1.DType
 COMPRESSION = {"none": 1, "zstd": 2}        # feeder.v1.Compression
 
 
-def varint(v: int) -> bytes:
+def _varint(v: int) -> bytes:
     out = bytearray()
     while v > 0x7F:
         out.append((v & 0x7F) | 0x80)
         v >>= 7
     out.append(v)
     return bytes(out)
+
+
+_SMALL = [_varint(v) for v in range(1 << 14)]   # keys, lengths of small fields, most values
+
+
+def varint(v: int) -> bytes:
+    return _SMALL[v] if v < 16384 else _varint(v)
 
 
 def _ld(field: int, data) -> list:

@@ -382,7 +382,7 @@ def ttfb(address: str, seq_len: int, mb: int, tries: int = 5) -> tuple[float, fl
     from feeder.config import StreamSpec
 
     def first(job, cursor=None):
-        spec = StreamSpec(job=job, rank=0, world_size=8, seq_len=seq_len, micro_batch=mb, seed=3)
+        spec = StreamSpec(job=job, rank=0, world_size=8, seq_len=seq_len, micro_batch=mb, seed=3, num_epochs=0)
         t0 = time.monotonic()
         cli = FeederClient(ClientConfig(targets=(address,), spec=spec, cursor=cursor))
         b = next(iter(cli))
@@ -394,17 +394,18 @@ def ttfb(address: str, seq_len: int, mb: int, tries: int = 5) -> tuple[float, fl
     for k in range(tries):
         dt, _ = first(f"ttfb-{k}")
         new.append(dt)
-    spec = StreamSpec(job="resume", rank=0, world_size=8, seq_len=seq_len, micro_batch=mb, seed=3)
+    spec = StreamSpec(job="resume", rank=0, world_size=8, seq_len=seq_len, micro_batch=mb, seed=3, num_epochs=0)
     cli = FeederClient(ClientConfig(targets=(address,), spec=spec))
     it = iter(cli)
     cursor = None
     for k in range(20):
         cursor = next(it).cursor
+    after = next(it)
     cli.close()
     for _ in range(tries):
         dt, b = first("resume", cursor)
         resume.append(dt)
-        assert b.step == 20, b.step
+        assert (b.epoch, b.step) == (after.epoch, after.step), "resume did not continue after its cursor"
     return float(np.median(new)), float(np.median(resume))
 
 

@@ -88,7 +88,7 @@ class Engine:
         log.info("stream closed job=%s rank=%d: %s", stream.spec.job, stream.spec.rank, reason)
 
     def report(self, job: str, rank: int, wait_s: float, step_s: float,
-               position: tuple[int, int] | None = None) -> None:
+               position: tuple[int, int] | None = None, batches: int = 0) -> None:
         j = self.jobs.get(job)
         st = j.ranks.get(rank)
         if st is None:
@@ -97,6 +97,8 @@ class Engine:
         st.step_s += max(0.0, step_s)
         if position is not None:
             st.consumed = position
+        if batches and step_s > 0:
+            st.taken_rate = batches * st.micro_batch * (st.seq_len + 1) / step_s
 
     def rss_mb(self) -> float:
         try:

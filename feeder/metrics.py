@@ -25,7 +25,7 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_sent_bytes_total": ("counter", "Bytes of batch messages sent (after compression)", RANK),
     "feeder_raw_bytes_total": ("counter", "Token bytes sent before compression", RANK),
     "feeder_tokens_sent_total": ("counter", "Tokens sent", RANK),
-    "feeder_tokens_per_second": ("gauge", "Tokens/s sent, smoothed over the last seconds", RANK),
+    "feeder_tokens_per_second": ("gauge", "Tokens/s the rank's loop takes (reported), else tokens/s sent", RANK),
     "feeder_compression_ratio": ("gauge", "Token bytes before / after compression so far (1 when uncompressed)", RANK),
     "feeder_prefetch_queue_messages": ("gauge", "Messages built and waiting in the rank's prefetch queue", RANK),
     "feeder_data_wait_seconds_total": ("counter", "Time the rank's training loop waited for data (reported)",
@@ -93,7 +93,7 @@ class EngineCollector:
             fam["feeder_sent_bytes_total"].add_metric(lab, st.bytes_sent)
             fam["feeder_raw_bytes_total"].add_metric(lab, st.raw_bytes_sent)
             fam["feeder_tokens_sent_total"].add_metric(lab, st.tokens_sent)
-            fam["feeder_tokens_per_second"].add_metric(lab, st.rate_tokens if st.connected else 0.0)
+            fam["feeder_tokens_per_second"].add_metric(lab, st.tokens_per_s)
             fam["feeder_compression_ratio"].add_metric(lab, st.raw_bytes_sent / st.payload_bytes_sent if st.payload_bytes_sent else 1.0)
             fam["feeder_prefetch_queue_messages"].add_metric(lab, st.queue_depth if st.connected else 0)
             fam["feeder_data_wait_seconds_total"].add_metric(lab, st.wait_s)

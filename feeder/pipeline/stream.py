@@ -52,6 +52,8 @@ class RankState:
     streams_opened: int = 0
     failovers: int = 0
     micro_batch: int = 1
+    seq_len: int = 0
+    taken_rate: float | None = None  # tokens/s the training loop takes (from its reports)
     consumed: tuple[int, int] | None = None   # (epoch, step) of the last batch the loop took
     read_s: float = 0.0          # time spent reading the source for this rank's batches
     reads: int = 0
@@ -79,6 +81,13 @@ class RankState:
             rate = self._rate_tokens / (now - self._rate_t)
             self.rate_tokens = rate if self.rate_tokens == 0 else 0.5 * self.rate_tokens + 0.5 * rate
             self._rate_t, self._rate_tokens = now, 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """What the rank consumes (reported) while connected; until it reports, what is sent."""
+        if not self.connected:
+            return 0.0
+        return self.taken_rate if self.taken_rate is not None else self.rate_tokens
 
     @property
     def data_wait_fraction(self) -> float:
@@ -144,7 +153,7 @@ class Jobs:
         state = j.ranks.setdefault(spec.rank, RankState(rank=spec.rank))
         state.connected, state.state = True, "streaming"
         state.streams_opened += 1
-        state.micro_batch = spec.micro_batch
+        state.micro_batch, state.seq_len = spec.micro_batch, spec.seq_len
         return state
 
     def detach(self, spec: StreamSpec, stream: "RankStream") -> None:

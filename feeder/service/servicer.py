@@ -145,7 +145,8 @@ class FeederServicer(pb_grpc.FeederServicer):
                 epoch, done = r.position
                 js.ranks.add(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
                              samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent,
-                             bytes_sent=r.bytes_sent, tokens_per_s=r.rate_tokens, queue_depth=r.queue_depth,
+                             bytes_sent=r.bytes_sent, tokens_per_s=r.tokens_per_s,
+                             queue_depth=r.queue_depth,
                              data_wait_fraction=r.data_wait_fraction, last_error=r.last_error, peer=r.peer,
                              restarts=max(0, r.streams_opened - 1), failovers=r.failovers,
                              tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=e.cfg.region,
@@ -155,5 +156,5 @@ class FeederServicer(pb_grpc.FeederServicer):
     @unary
     async def Report(self, request, context):
         self.engine.report(request.job, request.rank, request.wait_s, request.step_s,
-                           (request.epoch, request.step) if request.has_position else None)
+                           (request.epoch, request.step) if request.has_position else None, request.batches)
         return pb.ReportReply()

@@ -1,0 +1,34 @@
+"""`feeder bench --quick` runs end to end and reports every figure the performance issue asks
+for, with a plot. Speed itself is judged from `make bench`'s numbers, never asserted here."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "feeder_tokens_s", "feeder_mb_s", "feeder_zstd_tokens_s",
+          "local_tokens_s", "client_cpu_s_per_mtok", "local_cpu_s_per_mtok", "ttfb_s", "resume_s",
+          "wire_bytes_per_token", "feeder_rss_mb", "max_streams", "scaling", "curve", "ratios", "versions",
+          "machine", "config", "message_bytes", "kafka_source_tokens_s", "kafka_bare_consume_tokens_s")
+
+
+def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
+    out, png = tmp_path / "r.json", tmp_path / "p.png"
+    r = subprocess.run([sys.executable, "-m", "feeder.cli", "bench", "--quick", "--seconds", "0.5",
+                        "--data", str(tmp_path / "data"), "--kafka", kafka_broker, "--json", str(out),
+                        "--plot", str(png)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    missing = [f for f in FIELDS if f not in res]
+    assert not missing, missing
+    assert res["feeder_tokens_s"] > 0 and res["local_tokens_s"] > 0 and res["raw_grpc_mb_s"] > 0
+    assert res["max_streams"] == res["max_streams_tried"] == 64, res["max_streams_errors"]
+    assert res["wire_bytes_per_token"] < 4.0        # BPE ids in uint16, compressed
+    assert res["dataset"]["vocab_size"] < 65536
+    assert [c["ranks"] for c in res["curve"]] == [1, 2, 4, 8]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "feeder_vs_grpc_tokens" in r.stdout and "met" in r.stdout

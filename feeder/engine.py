@@ -97,8 +97,20 @@ class Engine:
         st.step_s += max(0.0, step_s)
         if position is not None:
             st.consumed = position
+            self._commit_taken(j, rank, position)
         if batches and step_s > 0:
             st.taken_rate = batches * st.micro_batch * (st.seq_len + 1) / step_s
+
+    def _commit_taken(self, j, rank: int, position: tuple[int, int]) -> None:
+        """Kafka follow with a consumer group: pass on the offsets this rank's loop has taken."""
+        stream = j.streams.get((rank, 0))
+        src = self.sources.get(j.dataset or self.default)
+        offsets_at = getattr(stream.plan, "offsets_at", None) if stream is not None else None
+        if offsets_at is None or not hasattr(src, "commit_taken"):
+            return
+        offsets = offsets_at(position[1])
+        if offsets is not None:
+            src.commit_taken(j.job, rank, j.world_size, offsets)
 
     def rss_mb(self) -> float:
         try:

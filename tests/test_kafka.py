@@ -187,6 +187,39 @@ def test_follow_with_fewer_or_more_ranks_than_partitions(kafka_broker, tmp_path,
             again.client.close()
 
 
+def test_follow_commits_what_every_rank_has_taken_to_a_consumer_group(kafka_broker, tmp_path):
+    from confluent_kafka import Consumer, TopicPartition
+
+    docs = make_docs(300, seed=40)
+    topic = publish(kafka_broker, docs, tmp_path, topic_name("group"))
+    group = f"job-{topic}"
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?mode=follow&group={group}",
+                                  listen="127.0.0.1:0")) as srv:
+        its = []
+        for rank, n in ((0, 30), (1, 20)):
+            ds = FeederDataset([srv.address], job="grp", rank=rank, world_size=2, seq_len=32, micro_batch=2,
+                               num_epochs=0, read_ahead=1, report_every_s=0.2)
+            it = iter(ds)
+            for _ in range(n):
+                next(it)
+            its.append((ds, it))   # keep the generator: dropping it closes the rank's stream
+        c = Consumer({"bootstrap.servers": kafka_broker, "group.id": group})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = {tp.partition: tp.offset for tp in c.committed([TopicPartition(topic, p) for p in range(3)],
+                                                                 timeout=10)}
+            if all(o > 0 for o in got.values()):
+                break
+            time.sleep(0.3)
+        c.close()
+        for ds, _ in its:
+            ds.client.close()
+    # rank 1 took 20 batches of 2 samples of 32 tokens: about 1,300 of its tokens, i.e. its first
+    # documents; the group's offsets are at least 1 and below what was published per partition
+    assert all(0 < o <= 100 for o in got.values()), got
+    assert max(got.values()) - min(got.values()) <= 1   # round-robin: partitions advance together
+
+
 # --------------------------------------------------------------------------- bad records
 
 GOOD = [np.arange(i, i + 40) % 250 for i in range(0, 200, 40)]   # five documents of 40 tokens

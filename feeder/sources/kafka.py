@@ -219,6 +219,9 @@ class KafkaSource:
         self._frozen: dict[str, str] = {}      # job -> offset ranges (bounded)
         self._snapshots: dict[str, object] = {}
         self._building: dict[str, threading.Lock] = {}
+        self._taken: dict[str, dict[int, dict[int, int]]] = {}
+        self._committed: dict[str, dict[int, int]] = {}
+        self._group_consumer = None
         self._spool = Path(url.spool or Path(tempfile.gettempdir()) / f"feeder-kafka-spool-{os.getuid()}")
 
     # -- Info
@@ -417,8 +420,34 @@ class KafkaSource:
         writer.add(tokens, lengths)
         return len(docs), len(tokens)
 
+    def commit_taken(self, job: str, rank: int, world: int, offsets: dict[int, int]) -> None:
+        """Follow mode with ?group=NAME: commit, per partition, the offset every rank of the job
+        has passed (the minimum over ranks of what their loops have taken), so standard Kafka
+        tooling (kafka-consumer-groups --describe) shows the job's lag. Best effort, async."""
+        if not self.url.group:
+            return
+        from confluent_kafka import Consumer, TopicPartition
+
+        taken = self._taken.setdefault(job, {})
+        taken[rank] = offsets
+        if len(taken) < world:
+            return
+        low = {p: min(o[p] for o in taken.values() if p in o) for p in offsets}
+        if low == self._committed.get(job):
+            return
+        if self._group_consumer is None:
+            self._group_consumer = Consumer(consumer_config(self.url.bootstrap, **{"group.id": self.url.group}))
+        try:
+            self._group_consumer.commit(offsets=[TopicPartition(self.url.topic, p, o) for p, o in sorted(low.items())],
+                                        asynchronous=True)
+            self._committed[job] = low
+        except Exception as e:  # the data path must not suffer for a dashboard
+            log.warning("kafka %s: committing offsets to group %s failed: %s", self.url.topic, self.url.group, e)
+
     def close(self) -> None:
         _close(self._consumer)
+        if self._group_consumer is not None:
+            _close(self._group_consumer)
 
 
 def with_eos(docs: list[np.ndarray], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -481,6 +510,8 @@ class FollowPlan:
         self.bad_records = 0
         self.lag: dict[int, int] = {}
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kafka-follow-r{spec.rank}")
+        # step -> offsets fully consumed once the batch of that step is taken (for group commits)
+        self.offsets_after: deque[tuple[int, list[int]]] = deque(maxlen=4096)
         self._closed = threading.Event()
         self._consumer = Consumer(consumer_config(src.url.bootstrap, error_cb=self._on_error))
         self._down_since: float | None = None
@@ -621,6 +652,15 @@ class FollowPlan:
             tokens[-1] = self.src.eos_id
             yield before, tokens
 
+    def offsets_at(self, step: int) -> dict[int, int] | None:
+        """{partition: next offset} once the batch of `step` has been taken, if remembered."""
+        for s, nxt in reversed(self.offsets_after):
+            if s == step:
+                return dict(zip(self.parts, nxt))
+            if s < step:
+                break
+        return None
+
     def _update_lag(self, c, st: FollowState) -> None:
         from confluent_kafka import TopicPartition
 
@@ -680,6 +720,7 @@ class FollowPlan:
                     mark = marks[0]
                     ids = np.arange(i - mb, i, dtype=np.int64) * W + r
                     cursor = self._cursor(mark.state, nxt - mark.at, i, step + 1)
+                    self.offsets_after.append((step, list(mark.state.next)))
                     yield PlannedBatch(epoch=s.epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=0,
                                        tokens=np.stack(rows))
                     rows, step = [], step + 1

@@ -68,6 +68,11 @@ class PosixSource:
         if start < 0 or start + n > self.n_tokens:
             raise InvalidArgument(f"tokens [{start}, {start + n}) are outside the dataset's {self.n_tokens}")
         k = bisect.bisect_right(self._starts, start) - 1
+        arr = self._mapped.get(k)
+        if arr is not None and start + n <= self._starts[k + 1]:   # the common case: one verified chunk
+            off = start - self._starts[k]
+            out[:] = arr[off:off + n]
+            return
         done = 0
         while done < n:
             arr = self._chunk(k)

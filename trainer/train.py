@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     targets = [t for t in args.targets.split(",") if t]
     info = feeder_info(targets)
+    # Every rank must expect the same dataset: for a Kafka topic, Info names the epoch a job
+    # starting now would read, and the topic may grow between two ranks' calls. Rank 0's wins.
+    fingerprint = [info.fingerprint]
+    dist.broadcast_object_list(fingerprint, src=0)
     model = DecoderLM(config_for(args.model_size, info.vocab_size, args.seq_len))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(args, on_gpu))
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
     data = FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
                          micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
                          num_epochs=args.epochs, cursor=cursor, reshard=reshard,
-                         expected_fingerprint=info.fingerprint, compression=args.compression)
+                         expected_fingerprint=fingerprint[0], compression=args.compression)
     batches = iter(data)
     ids_log = None
     if args.log_ids:

@@ -267,3 +267,23 @@ def test_health_reflection_and_info(feeder, dataset):
         replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in replies[0].list_services_response.service}
         assert "feeder.v1.Feeder" in names and "grpc.health.v1.Health" in names
+
+
+def test_jobs_without_streams_are_forgotten_after_the_idle_ttl():
+    from feeder.config import StreamSpec
+    from feeder.pipeline.stream import Jobs
+
+    now = [1000.0]
+    jobs = Jobs(idle_ttl_s=60, clock=lambda: now[0])
+    a = StreamSpec(job="a", rank=0, world_size=1, seq_len=8, micro_batch=1)
+    b = StreamSpec(job="b", rank=0, world_size=1, seq_len=8, micro_batch=1)
+    sa, sb = object(), object()
+    jobs.attach(a, sa)
+    jobs.attach(b, sb)
+    jobs.detach(a, sa)                   # job a idle from t=1000; b keeps streaming
+    now[0] = 1059
+    assert jobs.evict_idle() == [] and set(jobs.jobs) == {"a", "b"}
+    now[0] = 1061
+    assert jobs.evict_idle() == ["a"] and set(jobs.jobs) == {"b"}
+    now[0] = 10_000                      # a job with an open stream is never forgotten
+    assert jobs.evict_idle() == [] and set(jobs.jobs) == {"b"}

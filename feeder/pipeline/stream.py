@@ -111,6 +111,7 @@ class Job:
     world_size: int
     ranks: dict[int, RankState] = field(default_factory=dict)
     streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
+    idle_since: float | None = None   # monotonic time its last stream closed
 
 
 def job_key(spec: StreamSpec) -> tuple:
@@ -121,10 +122,23 @@ KEY_NAMES = ("dataset", "world_size", "seq_len", "seed", "shuffle", "drop_last")
 
 
 class Jobs:
-    """All jobs this feeder serves. Event-loop only (no locks needed)."""
+    """All jobs this feeder serves. Event-loop only (no locks needed).
 
-    def __init__(self):
+    A job nobody has streamed for `idle_ttl_s` is forgotten (status stops showing it), so a
+    feeder that runs for months does not keep every job it ever served."""
+
+    def __init__(self, idle_ttl_s: float = 24 * 3600, clock=time.monotonic):
         self.jobs: dict[str, Job] = {}
+        self.idle_ttl_s, self.clock = idle_ttl_s, clock
+
+    def evict_idle(self) -> list[str]:
+        now = self.clock()
+        gone = [name for name, j in self.jobs.items()
+                if not j.streams and j.idle_since is not None and now - j.idle_since > self.idle_ttl_s]
+        for name in gone:
+            del self.jobs[name]
+            log.info("job %s forgotten after %.0f s without streams", name, self.idle_ttl_s)
+        return gone
 
     def get(self, job: str) -> Job:
         j = self.jobs.get(job)
@@ -133,6 +147,7 @@ class Jobs:
         return j
 
     def attach(self, spec: StreamSpec, stream: "RankStream") -> RankState:
+        self.evict_idle()
         key = job_key(spec)
         j = self.jobs.get(spec.job)
         if j is not None and j.key != key:
@@ -150,6 +165,7 @@ class Jobs:
             # The newest stream of a rank wins: an older one is a peer that failed over or restarted.
             old.supersede()
         j.streams[slot] = stream
+        j.idle_since = None
         state = j.ranks.setdefault(spec.rank, RankState(rank=spec.rank))
         state.connected, state.state = True, "streaming"
         state.streams_opened += 1
@@ -165,6 +181,8 @@ class Jobs:
             del j.streams[slot]
         if not any(r == spec.rank for r, _ in j.streams):
             j.ranks[spec.rank].connected = False
+        if not j.streams:
+            j.idle_since = self.clock()
 
     @property
     def streams_open(self) -> int:

@@ -135,6 +135,7 @@ class FeederServicer(pb_grpc.FeederServicer):
     @unary
     async def Status(self, request, context):
         e = self.engine
+        e.jobs.evict_idle()
         jobs = [e.jobs.get(request.job)] if request.job else list(e.jobs.jobs.values())
         reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
                                streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),

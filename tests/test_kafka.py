@@ -348,3 +348,26 @@ def test_serve_and_publish_user_errors_are_one_clear_line(kafka_broker, tmp_path
     assert "mode must be bounded or follow" in run("serve", "--source", f"kafka://{kafka_broker}/t?mode=sideways")
     assert "cannot reach Kafka at 127.0.0.1:1" in run("publish", str(write_jsonl(tmp_path / "d.jsonl", ["x"])),
                                                       "--to", "kafka://127.0.0.1:1/t")
+
+
+def test_kafka_metrics_count_skipped_records_and_export_lag(kafka_broker):
+    from tests.test_ops import scrape, value
+
+    topic = topic_name("bad-metrics")
+    produce_with_bad(kafka_broker, topic, "undecodable")
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?mode=follow&bad_records=skip",
+                                  listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")) as srv:
+        ds = FeederDataset([srv.address], job="km", rank=0, world_size=1, seq_len=8, micro_batch=1,
+                           num_epochs=0, read_ahead=1)
+        it = iter(ds)
+        for _ in range(n_samples(len(good_stream()), 8)):   # every good sample, past the bad record
+            next(it)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = scrape(srv.server.metrics_address)
+            if ("feeder_kafka_lag_records", (("job", "km"), ("partition", "0"), ("rank", "0"))) in m:
+                break
+            time.sleep(0.3)
+        assert value(m, "feeder_bad_records_total", job="km", rank=0) == 1
+        assert 0 <= value(m, "feeder_kafka_lag_records", job="km", rank=0, partition=0) <= 6
+        ds.client.close()

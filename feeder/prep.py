@@ -173,9 +173,13 @@ def encode_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
                 raise InputError(f"{path}: record {first + i}: token ids must be in [0, {tok.vocab_size}), "
                                  f"got range [{ids.min()}, {ids.max()}]")
             docs.append(ids)
+    return join_documents(docs, tok.eos_id, np.dtype(mf.dtype_for_vocab(tok.vocab_size)))
+
+
+def join_documents(docs: list[np.ndarray], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens with an EOS after each document, per-document lengths including that EOS)."""
     lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-    dtype = np.dtype(mf.dtype_for_vocab(tok.vocab_size))
-    out = np.full(int(lengths.sum()), tok.eos_id, dtype=dtype)
+    out = np.full(int(lengths.sum()), eos_id, dtype=dtype)
     ends = np.cumsum(lengths)
     for d, end in zip(docs, ends):
         out[end - 1 - len(d):end - 1] = d

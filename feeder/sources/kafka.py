@@ -46,6 +46,7 @@ from feeder.config import StreamSpec
 from feeder.cursor import Cursor
 from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from feeder.pipeline.plan import PlannedBatch, Start, StreamPlan
+from feeder.prep import ShardWriter, join_documents
 
 log = logging.getLogger("feeder.kafka")
 
@@ -181,6 +182,16 @@ def _unavailable(bootstrap: str, e: Exception) -> Unavailable:
     return Unavailable(f"cannot read Kafka at {bootstrap}: {e}; the feeder retries, resume from the cursor")
 
 
+def watermarks(consumer, topic: str, partition: int, bootstrap: str) -> tuple[int, int]:
+    """(low, high) offsets of a partition, asked of the broker now."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    try:
+        return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10, cached=False)
+    except KafkaException as e:
+        raise _unavailable(bootstrap, e) from None
+
+
 def partitions(consumer, topic: str, bootstrap: str) -> list[int]:
     from confluent_kafka import KafkaException
 
@@ -239,7 +250,7 @@ class KafkaSource:
         c = self._consumer
         with self._meta_lock:
             for p in partitions(c, self.url.topic, self.url.bootstrap):
-                lo, hi = c.get_watermark_offsets(TopicPartition(self.url.topic, p), timeout=10, cached=False)
+                lo, hi = watermarks(c, self.url.topic, p, self.url.bootstrap)
                 if hi <= lo:
                     continue
                 c.assign([TopicPartition(self.url.topic, p, lo)])
@@ -257,19 +268,10 @@ class KafkaSource:
                               "carry them (empty topic, or JSON records)")
 
     def _ranges_now(self) -> str:
-        from confluent_kafka import KafkaException, TopicPartition
-
-        c, topic = self._consumer, self.url.topic
+        c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
         with self._meta_lock:
-            parts = partitions(c, topic, self.url.bootstrap)
-            ranges = []
-            for p in parts:
-                try:
-                    lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
-                except KafkaException as e:
-                    raise _unavailable(self.url.bootstrap, e) from None
-                ranges.append(f"{p}={lo}-{hi}")
-        return f"kafka:{topic}:" + ",".join(ranges)
+            spans = [(p, *watermarks(c, topic, p, bootstrap)) for p in partitions(c, topic, bootstrap)]
+        return f"kafka:{topic}:" + ",".join(f"{p}={lo}-{hi}" for p, lo, hi in spans)
 
     # -- streams
     def plan_for(self, spec: StreamSpec, cursor: Cursor | None):
@@ -323,8 +325,6 @@ class KafkaSource:
     def _build(self, ranges: str, policy: str, out: Path) -> None:
         from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-        from feeder.prep import ShardWriter
-
         topic, spans = parse_ranges(ranges)
         if topic != self.url.topic:
             raise FailedPrecondition(f"the epoch {ranges!r} is of topic {topic!r}; this feeder serves "
@@ -341,7 +341,7 @@ class KafkaSource:
             for p, lo, hi in spans:
                 if hi <= lo:
                     continue
-                low_now, _ = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+                low_now, _ = watermarks(c, topic, p, self.url.bootstrap)
                 if low_now > lo:
                     raise DataLoss(f"Kafka {topic}/{p}: records from offset {lo} are gone (retention); the "
                                    f"partition now starts at {low_now}, so the epoch {ranges} cannot be read again")
@@ -416,7 +416,7 @@ class KafkaSource:
     def _flush(self, writer, docs: list[np.ndarray]) -> tuple[int, int]:
         if not docs:
             return 0, 0
-        tokens, lengths = with_eos(docs, self.eos_id, self.dtype)
+        tokens, lengths = join_documents(docs, self.eos_id, self.dtype)
         writer.add(tokens, lengths)
         return len(docs), len(tokens)
 
@@ -448,15 +448,6 @@ class KafkaSource:
         _close(self._consumer)
         if self._group_consumer is not None:
             _close(self._group_consumer)
-
-
-def with_eos(docs: list[np.ndarray], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-    out = np.full(int(lengths.sum()), eos_id, dtype=dtype)
-    ends = np.cumsum(lengths)
-    for d, end in zip(docs, ends):
-        out[end - 1 - len(d):end - 1] = d
-    return out, lengths
 
 
 def parse_ranges(ranges: str) -> tuple[str, list[tuple[int, int, int]]]:
@@ -517,7 +508,8 @@ class FollowPlan:
         self._down_since: float | None = None
         parts = partitions(self._consumer, src.url.topic, src.url.bootstrap)
         if cursor is None:
-            self.state = FollowState(next=[self._low(p) for p in parts])
+            url = src.url
+            self.state = FollowState(next=[watermarks(self._consumer, url.topic, p, url.bootstrap)[0] for p in parts])
             self.i, skip, step = 0, 0, 0
         else:
             if cursor.fingerprint != self.fingerprint:
@@ -538,15 +530,6 @@ class FollowPlan:
         self.start = Start(epoch=spec.epoch, base=0, world=spec.world_size, pos=self.i, step=step)
         self._skip = skip
         self._step = step
-
-    def _low(self, p: int) -> int:
-        from confluent_kafka import KafkaException, TopicPartition
-
-        try:
-            return self._consumer.get_watermark_offsets(TopicPartition(self.src.url.topic, p), timeout=10,
-                                                        cached=False)[0]
-        except KafkaException as e:
-            raise _unavailable(self.src.url.bootstrap, e) from None
 
     def _on_error(self, err) -> None:
         from confluent_kafka import KafkaError

@@ -115,12 +115,18 @@ def _socket_server(port_q, seconds, chunk):
     c.close()
 
 
-def raw_socket_mb_s(seconds: float, chunk: int) -> float:
+def _serve_in_process(target, seconds: float, size: int):
+    """Start a ceiling server (`target(port_queue, seconds, size)`) in its own process, so it
+    does not share this one's GIL; (process, port)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_socket_server, args=(q, seconds, chunk))
+    p = ctx.Process(target=target, args=(q, seconds, size))
     p.start()
-    port = q.get(timeout=60)
+    return p, q.get(timeout=60)
+
+
+def raw_socket_mb_s(seconds: float, chunk: int) -> float:
+    p, port = _serve_in_process(_socket_server, seconds, chunk)
     c = socket.create_connection(("127.0.0.1", port))
     buf = bytearray(chunk)
     view = memoryview(buf)
@@ -169,11 +175,7 @@ def _grpc_server(port_q, seconds, size):
 def raw_grpc_mb_s(seconds: float, size: int) -> float:
     import grpc
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_grpc_server, args=(q, seconds, size))
-    p.start()
-    port = q.get(timeout=60)
+    p, port = _serve_in_process(_grpc_server, seconds, size)
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 256 << 20)])
     call = ch.unary_stream("/bench.Raw/Stream")(b"")
     got, t0 = 0, None

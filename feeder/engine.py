@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
 from feeder.errors import FailedPrecondition, NotFound, Unavailable
+from feeder.pipeline.batcher import EncodedBatch
 from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.sources import TokenSource
@@ -23,7 +25,8 @@ log = logging.getLogger("feeder.engine")
 
 
 class Engine:
-    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource], serialize=None):
+    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource],
+                 serialize: Callable[[list[EncodedBatch]], bytes]):
         self.cfg = cfg
         self.serialize = serialize   # list[EncodedBatch] -> wire bytes, run on the pool threads
         self.sources = sources

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import FailedPrecondition, FeederError, NotFound
@@ -191,9 +191,9 @@ class Jobs:
 
 class RankStream:
     def __init__(self, spec: StreamSpec, plan: StreamPlan, source: TokenSource, cfg: ServeConfig,
-                 pool: ThreadPoolExecutor, serialize=None):
+                 pool: ThreadPoolExecutor, serialize: Callable[[list[EncodedBatch]], bytes]):
         self.spec, self.plan, self.source, self.cfg, self.pool = spec, plan, source, cfg, pool
-        self.serialize = serialize or (lambda batches: batches)
+        self.serialize = serialize   # a message's wire bytes, built here on the pool threads
         self.state: RankState | None = None
         # The prefetch queue: messages built ahead, bounded in count and bytes.
         self._items: deque = deque()
@@ -233,7 +233,7 @@ class RankStream:
                 yield planned
             k += 1
 
-    def _build_message(self, it: Iterator[PlannedBatch]) -> tuple[list[EncodedBatch], int] | None:
+    def _build_message(self, it: Iterator[PlannedBatch]) -> tuple[list[EncodedBatch], int, bytes] | None:
         """Runs on a pool thread: encode batches until the message is big enough."""
         if self._deferred is not None:
             raise self._deferred
@@ -282,7 +282,7 @@ class RankStream:
                 if built is None:
                     self._finish(None)
                     return
-                size = len(built[2]) if isinstance(built[2], bytes) else sum(b.wire_bytes for b in built[0])
+                size = len(built[2])
                 # Wait for room; one message always fits, so a huge one cannot deadlock.
                 while self._items and (len(self._items) >= cfg.prefetch_messages
                                        or self._bytes + size > cfg.prefetch_bytes):
@@ -301,7 +301,7 @@ class RankStream:
             log.exception("stream %s rank %d: producer failed", self.spec.job, self.spec.rank)
             self._finish(e)
 
-    async def messages(self) -> AsyncIterator[list[EncodedBatch]]:
+    async def messages(self) -> AsyncIterator[tuple[list[EncodedBatch], bytes]]:
         self._producer = asyncio.create_task(self._produce())
         try:
             while True:

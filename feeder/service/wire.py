@@ -9,9 +9,7 @@ parses it into exactly the message protobuf itself would build.
 from __future__ import annotations
 
 from feeder.pipeline.batcher import EncodedBatch
-
-DTYPE = {"uint16": 1, "uint32": 2}          # feeder.v1.DType
-COMPRESSION = {"none": 1, "zstd": 2}        # feeder.v1.Compression
+from feeder.service.servicer import COMPRESSION_ENUM, DTYPE_ENUM
 
 
 def _varint(v: int) -> bytes:
@@ -35,23 +33,18 @@ def _ld(field: int, data) -> list:
     return [varint(field << 3 | 2), varint(len(data)), data]
 
 
+def _varints(fields) -> bytes:
+    """Varint fields (wire type 0), leaving zeros out as proto3 does."""
+    return b"".join(varint(field << 3) + varint(v) for field, v in fields if v)
+
+
 def _batch(b: EncodedBatch) -> list:
-    head = bytearray()
-    for field, v in ((1, b.epoch), (2, b.step), (3, b.n), (4, b.sample_len), (5, DTYPE[b.dtype]),
-                     (6, COMPRESSION[b.compression])):
-        if v:
-            head += varint(field << 3)
-            head += varint(v)
-    parts = [bytes(head)]
+    parts = [_varints(((1, b.epoch), (2, b.step), (3, b.n), (4, b.sample_len), (5, DTYPE_ENUM[b.dtype]),
+                       (6, COMPRESSION_ENUM[b.compression])))]
     for field, data in ((7, b.tokens), (8, b.sample_ids), (9, b.cursor)):
         if data:  # proto3 leaves empty fields out
             parts += _ld(field, data)
-    tail = bytearray()
-    for field, v in ((10, b.raw_size), (11, b.crc32c)):
-        if v:
-            tail += varint(field << 3)
-            tail += varint(v)
-    parts.append(bytes(tail))
+    parts.append(_varints(((10, b.raw_size), (11, b.crc32c))))
     return parts
 
 

@@ -1,12 +1,13 @@
 """FeederDataset: a torch IterableDataset over one rank's feeder stream."""
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
 from client.stream import ClientConfig, FeederBatch, FeederClient
 from feeder.config import StreamSpec
+from feeder.security import ClientSecurity
 
 
 class FeederDataset(IterableDataset):
@@ -18,14 +19,19 @@ class FeederDataset(IterableDataset):
     over workers restores the exact order. Use `batch_size=None`.
     """
 
-    def __init__(self, targets: Sequence[str], job: str, rank: int, world_size: int, seq_len: int,
+    def __init__(self, targets: Sequence[str] | Mapping[str, str] | str, job: str, rank: int, world_size: int, seq_len: int,
                  micro_batch: int, seed: int = 0, shuffle: bool = True, drop_last: bool = False, epoch: int = 0,
-                 num_epochs: int = 1, cursor: bytes | None = None, *, compression: str = "zstd",
+                 num_epochs: int = 1, cursor: bytes | None = None, *, compression: str = "",
                  compression_level: int = 3, reshard: bool = False, expected_fingerprint: str = "",
                  dataset: str = "", read_ahead: int = 8, idle_timeout_s: float = 30.0, keepalive_s: float = 10.0,
-                 retry_for_s: float = 300.0, report_every_s: float = 5.0, bad_records: str = ""):
+                 retry_for_s: float = 300.0, report_every_s: float = 5.0, bad_records: str = "",
+                 prefer: str = "rtt", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = "",
+                 token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64):
+        regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
+        elif isinstance(targets, Mapping):  # {region: HOST:PORT}
+            regions, targets = tuple(targets), list(targets.values())
         self.spec = StreamSpec(job=job, rank=rank, world_size=world_size, seq_len=seq_len,
                                micro_batch=micro_batch, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                epoch=epoch, num_epochs=num_epochs, compression=compression,
@@ -34,8 +40,12 @@ class FeederDataset(IterableDataset):
                                bad_records=bad_records)
         self.targets = tuple(targets)
         self.cursor = cursor
+        # Plain values only (no gRPC objects): the dataset is pickled to DataLoader workers.
+        security = ClientSecurity(ca=tls_ca, cert=tls_cert, key=tls_key, token=token, token_file=token_file,
+                                  server_name=tls_server_name)
         self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
-                              retry_for_s=retry_for_s, report_every_s=report_every_s)
+                              retry_for_s=retry_for_s, report_every_s=report_every_s, security=security,
+                              regions=regions, prefer=prefer, max_read_ahead=max_read_ahead)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
 

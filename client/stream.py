@@ -21,18 +21,23 @@ import torch
 
 from feeder.config import StreamSpec
 from feeder.errors import Code, FeederError, Unavailable
+from feeder.security import ClientSecurity, explain
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("client")
 
 DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_UINT32: np.dtype("<u4")}
-COMPRESSION = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
+COMPRESSION = {"": pb.COMPRESSION_UNSPECIFIED, "none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
 # Failures another feeder (or the same one, later) can cover; anything else is the
 # caller's mistake or corrupt data, and is raised.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Refusals that are about this feeder's data (another region's replica, a dataset not served
+# here): the next target may serve; raised once every target has refused.
+REFUSED_HERE = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+PLAIN = ClientSecurity()
 _LOCAL = threading.local()
 
 
@@ -71,6 +76,12 @@ class ClientConfig:
     keepalive_timeout_s: float = 5.0
     retry_for_s: float = 300.0        # give up after failing this long without a batch
     report_every_s: float = 5.0
+    security: ClientSecurity = PLAIN  # TLS, client certificate, bearer token
+    regions: tuple[str, ...] = ()     # names of targets, in the same order (for logs; the feeder says too)
+    prefer: str = "rtt"               # "rtt": nearest first (measured); "order": as given
+    # Read-ahead grows past read_ahead to cover the round trip at the rate the loop takes batches,
+    # so a far region keeps the loop fed; at most this many batches.
+    max_read_ahead: int = 64
 
     def __post_init__(self):
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
@@ -78,6 +89,11 @@ class ClientConfig:
                               code=Code.INVALID_ARGUMENT)
         if self.read_ahead < 1:
             raise FeederError(f"read_ahead must be >= 1, got {self.read_ahead}", code=Code.INVALID_ARGUMENT)
+        if self.prefer not in ("rtt", "order"):
+            raise FeederError(f"prefer must be 'rtt' or 'order', got {self.prefer!r}", code=Code.INVALID_ARGUMENT)
+        if self.regions and len(self.regions) != len(self.targets):
+            raise FeederError(f"regions names {len(self.regions)} targets but there are {len(self.targets)}",
+                              code=Code.INVALID_ARGUMENT)
 
 
 def channel_options(cfg: ClientConfig) -> list[tuple[str, int]]:
@@ -115,15 +131,38 @@ def decode(b: pb.Batch, region: str = "") -> FeederBatch:
 _END = object()
 
 
+def measure_rtt(channel: grpc.Channel, probes: int = 4, timeout: float = 3.0) -> float:
+    """Round-trip time to a feeder in seconds (inf when it does not answer): the fastest of
+    a few health checks after the first, which also pays for connecting and the handshake."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    best = float("inf")
+    try:
+        stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        for _ in range(probes - 1):
+            t0 = time.perf_counter()
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            best = min(best, time.perf_counter() - t0)
+    except grpc.RpcError:
+        return float("inf")
+    return best
+
+
 class FeederClient:
     """Iterate to get one rank's batches. Create it in the process that uses it (after fork)."""
 
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
         self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
-        self.region = ""
+        self.region = ""                  # the region feeding this rank now (from the feeder's replies)
+        self.targets = list(cfg.targets)  # nearest first once measured
+        self.rtt_s: dict[str, float] = {}
         self.target_index = 0
         self.failovers = 0
+        self._refused: dict[str, FeederError] = {}
+        self._step_ema: float | None = None
+        self._taken = 0
         self.wait_s = 0.0                 # time the consumer spent waiting in __next__
         self._q: queue.Queue = queue.Queue(maxsize=cfg.read_ahead)
         self._stop = threading.Event()
@@ -158,7 +197,13 @@ class FeederClient:
                 r[0] += t1 - t0
                 r[1] += t1 - self._last_next
                 r[2] += 1
+        if self._last_next is not None:
+            dt = t1 - self._last_next
+            self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
         self._last_next = t1
+        self._taken += 1
+        if self._taken % 8 == 0:
+            self._size_read_ahead()
         if item is _END:
             self._q.put(_END)
             raise StopIteration
@@ -167,6 +212,23 @@ class FeederClient:
             raise item
         self._position = (item.epoch, item.step)
         return item
+
+    def _size_read_ahead(self) -> None:
+        """Enough batches in hand to ride out twice the round trip (jitter, a slow message) at
+        the rate the loop takes them: a far region then feeds as if it were near."""
+        step, rtt = self._step_ema, self.rtt_s.get(self.targets[self.target_index % len(self.targets)], 0.0)
+        if not step or rtt == float("inf"):
+            return
+        want = min(self.cfg.max_read_ahead, max(self.cfg.read_ahead, int(2 * (rtt + 0.02) / max(step, 1e-4)) + 2))
+        q = self._q
+        if want != q.maxsize:
+            with q.mutex:
+                q.maxsize = want
+                q.not_full.notify_all()
+
+    @property
+    def read_ahead(self) -> int:
+        return self._q.maxsize
 
     def close(self) -> None:
         self._stop.set()
@@ -189,7 +251,7 @@ class FeederClient:
             pass
 
     # reader side
-    def _request(self) -> pb.StreamRequest:
+    def _request(self, target: str) -> pb.StreamRequest:
         s = self.cfg.spec
         return pb.StreamRequest(
             job=s.job, rank=s.rank, world_size=s.world_size, seq_len=s.seq_len, micro_batch=s.micro_batch,
@@ -197,12 +259,13 @@ class FeederClient:
             cursor=self.cursor or b"", compression=COMPRESSION[s.compression],
             compression_level=s.compression_level, worker_index=s.worker_index, num_workers=s.num_workers,
             reshard=s.reshard and self.cursor == self.cfg.cursor, expected_fingerprint=s.expected_fingerprint,
-            dataset=s.dataset, failover=self._after_break, bad_records=s.bad_records)
+            dataset=s.dataset, failover=self._after_break, bad_records=s.bad_records,
+            rtt_us=min(int(rtt * 1e6), 2**32 - 1) if (rtt := self.rtt_s.get(target, 0.0)) != float("inf") else 0)
 
     def _channel(self, target: str) -> grpc.Channel:
         ch = self._channels.get(target)
         if ch is None:
-            ch = self._channels[target] = grpc.insecure_channel(target, options=channel_options(self.cfg))
+            ch = self._channels[target] = self.cfg.security.channel(target, options=channel_options(self.cfg))
         return ch
 
     def _put(self, item) -> bool:
@@ -214,16 +277,33 @@ class FeederClient:
                 continue
         return False
 
+    def _order_targets(self) -> None:
+        """Nearest first: every target's RTT measured at once (unreachable ones go last). The
+        RTT also sizes read-ahead and tells the feeder whether this rank is remote."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.targets)) as ex:
+            rtts = list(ex.map(lambda t: measure_rtt(self._channel(t)), self.targets))
+        self.rtt_s = dict(zip(self.targets, rtts))
+        if self.cfg.prefer == "rtt":
+            self.targets.sort(key=lambda t: self.rtt_s[t])
+        names = dict(zip(self.cfg.targets, self.cfg.regions or self.cfg.targets))
+        log.info("rank %d targets, in order: %s", self.cfg.spec.rank, ", ".join(
+            f"{names[t]} {self.rtt_s[t] * 1e3:.1f} ms" if self.rtt_s[t] != float("inf") else f"{names[t]} (down)"
+            for t in self.targets))
+
     def _run(self) -> None:
-        targets = self.cfg.targets
+        targets = self.targets
         failing_since: float | None = None
         last_error = ""
         attempt = 0
+        self._order_targets()
         while not self._stop.is_set():
             target = targets[self.target_index % len(targets)]
             try:
                 stub = self._stub = pb_grpc.FeederStub(self._channel(target))
-                call = stub.Stream(self._request(), wait_for_ready=False)
+                call = stub.Stream(self._request(target), wait_for_ready=False,
+                                   metadata=self.cfg.security.metadata())
                 with self._lock:
                     self._call, self._idle_cancelled = call, False
                 got_any = False
@@ -236,7 +316,9 @@ class FeederClient:
                         return
                     finally:
                         self._waiting_since = None
-                    self.region = reply.region
+                    if reply.region != self.region:
+                        log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
+                        self.region = reply.region
                     for b in reply.batches:
                         item = decode(b, reply.region)
                         if not self._put(item):
@@ -249,10 +331,22 @@ class FeederClient:
                 if self._stop.is_set():
                     return
                 code = e.code()
+                if code in REFUSED_HERE:
+                    # This feeder cannot serve us (another replica, dataset not here); others may.
+                    self._refused.setdefault(target, FeederError(f"feeder {target}: {e.details()}",
+                                                                 code=CODES.get(code, Code.INTERNAL)))
+                    if len(self._refused) == len(set(targets)):
+                        self._put(next(iter(self._refused.values())))
+                        return
+                    log.error("feeder %s refused rank %d: %s; trying the next region", target,
+                              self.cfg.spec.rank, e.details())
+                    self._skip_refused(targets)
+                    continue
                 if code not in RETRYABLE:
                     self._put(FeederError(f"feeder {target}: {e.details()}", code=CODES.get(code, Code.INTERNAL)))
                     return
-                why = "silent past the idle timeout" if self._idle_cancelled else f"{code.name}: {e.details()}"
+                why = ("silent past the idle timeout" if self._idle_cancelled
+                       else explain(e, target, self.cfg.security).partition(": ")[2])
                 last_error = f"{target}: {why}"
             except FeederError as e:  # corrupt batch: never served; another feeder may have good data
                 last_error = f"{target}: {e}"
@@ -266,6 +360,7 @@ class FeederClient:
                                       f"{self.cfg.retry_for_s:.0f}s; last error: {last_error}"))
                 return
             self.target_index += 1
+            self._skip_refused(targets)
             self.failovers += 1
             self._after_break = True
             attempt += 1
@@ -273,6 +368,13 @@ class FeederClient:
                         targets[self.target_index % len(targets)])
             if attempt >= len(targets):  # a whole round failed: back off before the next
                 self._stop.wait(min(2.0, 0.05 * 2 ** min(attempt - len(targets), 6)))
+
+    def _skip_refused(self, targets) -> None:
+        """Move to the next target that has not refused this rank (there is one)."""
+        for _ in range(len(targets)):
+            if targets[self.target_index % len(targets)] not in self._refused:
+                return
+            self.target_index += 1
 
     def _watch(self) -> None:
         """Abandons a silent feeder, and reports data-wait to the feeder feeding us."""
@@ -297,18 +399,22 @@ class FeederClient:
         try:
             stub.Report(pb.ReportRequest(job=self.cfg.spec.job, rank=self.cfg.spec.rank, wait_s=wait,
                                          step_s=step, batches=n, has_position=pos is not None,
-                                         epoch=pos[0] if pos else 0, step=pos[1] if pos else 0), timeout=2)
+                                         epoch=pos[0] if pos else 0, step=pos[1] if pos else 0), timeout=2,
+                        metadata=self.cfg.security.metadata())
         except grpc.RpcError:
             pass  # reporting is best effort; the data path must not suffer for it
 
 
-def feeder_info(targets, dataset: str = "", timeout: float = 10.0) -> pb.InfoReply:
-    """Dataset facts (fingerprint, vocab size, ...) from the first feeder that answers."""
+def feeder_info(targets, dataset: str = "", timeout: float = 10.0, security: ClientSecurity = PLAIN) -> pb.InfoReply:
+    """Dataset facts (fingerprint, vocab size, peers, ...) from the first feeder that answers."""
     last = None
-    for target in targets:
-        with grpc.insecure_channel(target) as ch:
+    for target in ([targets] if isinstance(targets, str) else targets):
+        with security.channel(target) as ch:
             try:
-                return pb_grpc.FeederStub(ch).Info(pb.InfoRequest(dataset=dataset), timeout=timeout)
+                return pb_grpc.FeederStub(ch).Info(pb.InfoRequest(dataset=dataset), timeout=timeout,
+                                                   metadata=security.metadata())
             except grpc.RpcError as e:
-                last = f"{target}: {e.code().name}: {e.details()}"
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise FeederError(f"feeder {target}: {e.details()}", code=CODES[e.code()]) from None
+                last = explain(e, target, security)
     raise Unavailable(f"no feeder answered ({last})")

@@ -11,13 +11,6 @@ from feeder.errors import FeederError
 EXIT_USER = 2
 
 
-def _secret(args) -> bytes:
-    if getattr(args, "cursor_secret_file", None):
-        with open(args.cursor_secret_file, "rb") as f:
-            return f.read().strip()
-    return os.environ.get("FEEDER_CURSOR_SECRET", "").encode()
-
-
 def cmd_prep(args) -> int:
     from feeder.config import PrepConfig
     from feeder.prep import prep
@@ -58,17 +51,46 @@ def cmd_bench(args) -> int:
     return 0
 
 
+# serve flag -> ServeConfig field. Flags default to None so that a region file (--config)
+# fills what the command line leaves out, and the command line wins where both speak.
+SERVE_FLAGS = {"source": "source", "listen": "listen", "region": "region",
+               "prefetch_messages": "prefetch_messages", "prefetch_bytes": "prefetch_bytes",
+               "message_bytes": "message_bytes", "compression": "default_compression",
+               "compression_level": "default_level", "threads": "threads", "grace": "grace_s",
+               "vocab_size": "vocab_size", "eos_id": "eos_id", "log_format": "log_format", "ledger": "ledger",
+               "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
+               "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms"}
+
+
 def serve_config(args):
     from feeder.config import ServeConfig
+    from feeder.errors import InvalidArgument
 
-    return ServeConfig(source=args.source, listen=args.listen, region=args.region,
-                       prefetch_messages=args.prefetch_messages, prefetch_bytes=args.prefetch_bytes,
-                       message_bytes=args.message_bytes, default_compression=args.compression,
-                       default_level=args.compression_level, threads=args.threads, cursor_secret=_secret(args),
-                       grace_s=args.grace, vocab_size=args.vocab_size, eos_id=args.eos_id,
-                       log_format=args.log_format, ledger=args.ledger,
-                       metrics_listen=f"{args.metrics_host or args.listen.rpartition(':')[0]}:{args.metrics_port}"
-                       if args.metrics_port is not None else "")
+    values: dict = {}
+    if args.config:
+        from feeder.regions import load_region
+
+        values = load_region(args.config)
+    for flag, field in SERVE_FLAGS.items():
+        v = getattr(args, flag)
+        if v is not None:
+            values[field] = v
+    secret_file = args.cursor_secret_file or values.pop("cursor_secret_file", None)
+    if secret_file:
+        try:
+            with open(secret_file, "rb") as f:
+                values["cursor_secret"] = f.read().strip()
+        except OSError as e:
+            raise InvalidArgument(f"cannot read the cursor secret {secret_file}: {e.strerror}") from None
+    else:
+        values["cursor_secret"] = os.environ.get("FEEDER_CURSOR_SECRET", "").encode()
+    if args.metrics_port is not None:
+        host = args.metrics_host or values.get("listen", "127.0.0.1:7070").rpartition(":")[0]
+        values["metrics_listen"] = f"{host}:{args.metrics_port}"
+    if "source" not in values:
+        raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... or a --config region file with "
+                              "source = ...")
+    return ServeConfig(**values)
 
 
 def cmd_serve(args) -> int:
@@ -94,7 +116,90 @@ def cmd_serve(args) -> int:
 def cmd_status(args) -> int:
     from feeder.status import show
 
-    return show(args.target, job=args.job, watch=args.watch, interval=args.interval)
+    return show(args.target, job=args.job, watch=args.watch, interval=args.interval,
+                security=client_security(args))
+
+
+def _client_security_flags(s) -> None:
+    s.add_argument("--ca", default="", help="CA of the feeder's certificate (TLS)")
+    s.add_argument("--cert", default="", help="client certificate, for feeders with mutual TLS")
+    s.add_argument("--key", default="", help="key of --cert")
+    s.add_argument("--token-file", default="", help="file holding a bearer token (or env FEEDER_TOKEN)")
+    s.add_argument("--server-name", default="", help="name to expect in the feeder's certificate, when it is "
+                   "not the target's host")
+
+
+def client_security(args):
+    from feeder.security import ClientSecurity
+
+    return ClientSecurity(ca=args.ca, cert=args.cert, key=args.key, token_file=args.token_file,
+                          token="" if args.token_file else os.environ.get("FEEDER_TOKEN", ""),
+                          server_name=args.server_name)
+
+
+def cmd_token(args) -> int:
+    from feeder.security import new_token, token_hash
+
+    tok = new_token()
+    jobs = ", ".join(f'"{j}"' for j in args.job)
+    print(f"token: {tok}")
+    print("# append to the feeders' tokens file (the token itself is not stored there):")
+    print(f'[[token]]\nname = "{args.name or args.job[0]}"\njobs = [{jobs}]\nsha256 = "{token_hash(tok)}"')
+    return 0
+
+
+def cmd_certs(args) -> int:
+    from feeder import certs
+
+    if args.what == "ca":
+        crt, _ = certs.make_ca(args.out, days=args.days or 3650)
+    else:
+        if not args.name or not args.ca_dir:
+            raise FeederError("certs issue needs a NAME and --ca-dir DIR (with ca.crt and ca.key)")
+        crt, _ = certs.issue(args.ca_dir, args.out, args.name, args.host or ["localhost", "127.0.0.1"],
+                             days=args.days or 365)
+    print(f"wrote {crt} and {crt.with_suffix('.key')}")
+    return 0
+
+
+def cmd_health(args) -> int:
+    """For probes (Kubernetes exec, systemd, load balancers): one line, exit 0 when SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from feeder.security import ClientSecurity, explain
+
+    target, security = args.target, client_security(args)
+    if args.config:
+        from feeder.config import ServeConfig
+        from feeder.regions import load_region
+
+        cfg = ServeConfig(**{"source": "-", **{k: v for k, v in load_region(args.config).items()
+                                               if k != "cursor_secret_file"}})
+        if not target:
+            host, _, port = cfg.listen.rpartition(":")
+            target = f"{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]') else host}:{port}"
+        if cfg.tls and not args.ca:
+            # The feeder's own certificate doubles as the probe's client certificate under mTLS
+            # (certificates from `feeder certs` are valid for both ends).
+            mtls = bool(cfg.tls_client_ca)
+            security = ClientSecurity(ca=cfg.tls_ca or cfg.tls_client_ca, cert=cfg.tls_cert if mtls else "",
+                                      key=cfg.tls_key if mtls else "", server_name=args.server_name)
+            if not security.ca:
+                raise FeederError(f"{args.config} has TLS but no tls.ca (the CA that signed tls.cert): the probe "
+                                  "cannot verify the feeder; add it, or pass --ca")
+    if not target:
+        raise FeederError("health needs --target HOST:PORT or --config REGION.toml")
+    with security.channel(target) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                      timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"feeder health: {explain(e, target, security)}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(f"{target}: {name}")
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def cmd_audit(args) -> int:
@@ -153,27 +258,59 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_publish)
 
     s = sub.add_parser("serve", help="serve a dataset to training ranks")
-    s.add_argument("--source", required=True, help="dataset directory (manifest.json, or Parquet token files), "
+    s.add_argument("--config", help="region file (TOML, e.g. deploy/regions/us-east.toml); flags override it")
+    s.add_argument("--source", help="dataset directory (manifest.json, or Parquet token files), "
                    "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]")
-    s.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (port 0: any free port)")
-    s.add_argument("--region", default="local")
-    s.add_argument("--prefetch-messages", type=int, default=8, help="messages queued ahead per stream")
-    s.add_argument("--prefetch-bytes", type=int, default=32 << 20, help="bytes queued ahead per stream")
-    s.add_argument("--message-bytes", type=int, default=1 << 20, help="target size of one stream message")
-    s.add_argument("--compression", default="zstd", choices=["zstd", "none"], help="default for streams")
-    s.add_argument("--compression-level", type=int, default=3)
-    s.add_argument("--threads", type=int, default=4, help="batch-building threads")
+    s.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:7070; port 0: any free port). Beyond "
+                   "loopback it needs --tls-cert/--tls-key, or --insecure")
+    s.add_argument("--region", help="this feeder's region name (default local)")
+    s.add_argument("--prefetch-messages", type=int, help="messages queued ahead per stream (default 8)")
+    s.add_argument("--prefetch-bytes", type=int, help="bytes queued ahead per stream (default 32 MiB)")
+    s.add_argument("--message-bytes", type=int, help="target size of one stream message (default 1 MiB)")
+    s.add_argument("--compression", choices=["zstd", "none"],
+                   help="for streams that do not choose (default zstd; remote ranks always get zstd)")
+    s.add_argument("--compression-level", type=int, help="zstd level (default 3)")
+    s.add_argument("--remote-rtt-ms", type=float, help="a rank this far (measured RTT) is remote (default 5)")
+    s.add_argument("--threads", type=int, help="batch-building threads (default 4)")
     s.add_argument("--cursor-secret-file", help="file with the deployment's cursor secret "
                    "(or env FEEDER_CURSOR_SECRET); all feeders of a deployment share it")
-    s.add_argument("--grace", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
-    s.add_argument("--vocab-size", type=int, default=0, help="Parquet token datasets without manifest.json")
-    s.add_argument("--eos-id", type=int, default=-1, help="Parquet token datasets without manifest.json")
-    s.add_argument("--log-format", default="text", choices=["text", "json"])
-    s.add_argument("--ledger", default="", help="append one JSON line per delivered batch (for `feeder audit`)")
+    s.add_argument("--grace", type=float, help="seconds to drain streams on SIGTERM (default 10)")
+    s.add_argument("--vocab-size", type=int, help="Parquet token datasets without manifest.json")
+    s.add_argument("--eos-id", type=int, help="Parquet token datasets without manifest.json")
+    s.add_argument("--log-format", choices=["text", "json"])
+    s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
     s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")
+    s.add_argument("--tls-cert", help="PEM certificate chain of this feeder (TLS; reloaded when it changes)")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="mutual TLS: require client certificates signed by this CA")
+    s.add_argument("--tokens-file", help="per-job bearer tokens (TOML; see `feeder token`); reloaded when it changes")
+    s.add_argument("--insecure", action="store_const", const=True, default=None,
+                   help="allow plain text on a listener beyond loopback (a warning is logged)")
     s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("token", help="make a bearer token for jobs, and the line for a feeder's tokens file")
+    s.add_argument("--job", action="append", required=True, help="a job the token may read (repeat; '*': all)")
+    s.add_argument("--name", default="", help="a name for logs (default: the first job)")
+    s.set_defaults(fn=cmd_token)
+
+    s = sub.add_parser("certs", help="make a deployment CA, or a certificate it signs (TLS, mutual TLS)")
+    s.add_argument("what", choices=["ca", "issue"], help="ca: a new CA in --out; issue: NAME.crt/.key signed by --ca-dir")
+    s.add_argument("name", nargs="?", default="", help="issue: the certificate's name (file stem, common name)")
+    s.add_argument("--out", required=True, help="directory to write to")
+    s.add_argument("--ca-dir", default="", help="issue: directory with ca.crt and ca.key")
+    s.add_argument("--host", action="append", default=[], help="issue: DNS name or IP it is valid for "
+                   "(repeat; default localhost and 127.0.0.1)")
+    s.add_argument("--days", type=int, default=0, help="validity (default 3650 for a CA, 365 otherwise)")
+    s.set_defaults(fn=cmd_certs)
+
+    s = sub.add_parser("health", help="check a feeder's gRPC health service (exit 0 when SERVING)")
+    s.add_argument("--target", help="feeder HOST:PORT (default: from --config, with loopback for 0.0.0.0)")
+    s.add_argument("--config", help="region file: the target and TLS material are taken from it")
+    s.add_argument("--timeout", type=float, default=3.0)
+    _client_security_flags(s)
+    s.set_defaults(fn=cmd_health)
 
     s = sub.add_parser("bench", help="measure the feeder against a raw socket, bare gRPC and a local DataLoader")
     s.add_argument("--json", default="", help="write every figure here")
@@ -196,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="show a feeder's jobs and ranks")
     s.add_argument("--target", required=True, help="feeder HOST:PORT")
+    _client_security_flags(s)
     s.add_argument("--job", default="", help="only this job")
     s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0)

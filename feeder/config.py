@@ -46,7 +46,7 @@ class StreamSpec:
     drop_last: bool = False
     epoch: int = 0
     num_epochs: int = 1          # 0: no end
-    compression: str = "zstd"
+    compression: str = "zstd"    # "": the feeder decides (its default; zstd for a remote rank)
     compression_level: int = 3
     worker_index: int = 0
     num_workers: int = 1
@@ -67,7 +67,8 @@ class StreamSpec:
         _non_negative("seed", self.seed)
         _non_negative("epoch", self.epoch)
         _non_negative("num_epochs", self.num_epochs)
-        _compression("compression", self.compression, self.compression_level)
+        if self.compression:
+            _compression("compression", self.compression, self.compression_level)
         _positive("num_workers", self.num_workers, upper=1024)
         if self.bad_records not in BAD_RECORD_POLICIES:
             raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
@@ -102,6 +103,18 @@ class ServeConfig:
     log_format: str = "text"
     ledger: str = ""             # append one JSON line per delivered batch here ("" = off)
     metrics_listen: str = ""     # HOST:PORT for Prometheus /metrics ("" = off, port 0 = any)
+    # Security. A listener beyond loopback needs TLS, or insecure=True said out loud.
+    tls_cert: str = ""           # PEM certificate chain and key of this feeder (reloaded when they change)
+    tls_key: str = ""
+    tls_client_ca: str = ""      # mutual TLS: clients must present a certificate signed by this CA
+    tls_ca: str = ""             # the CA that signed tls_cert: what `feeder health --config` verifies against
+    tokens_file: str = ""        # per-job bearer tokens (TOML, reloaded when it changes); "" = no tokens
+    insecure: bool = False
+    # Regions: the other regions' feeders (name, HOST:PORT), told to clients by Info.
+    peers: tuple[tuple[str, str], ...] = ()
+    # A rank whose measured round-trip time is at least this far is remote: when it does not
+    # choose, it gets zstd even if default_compression is none.
+    remote_rtt_ms: float = 5.0
 
     def __post_init__(self):
         if not self.source:
@@ -120,6 +133,27 @@ class ServeConfig:
                 raise InvalidArgument(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
         if self.log_format not in ("text", "json"):
             raise InvalidArgument(f"log_format must be text or json, got {self.log_format!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("TLS needs both tls_cert and tls_key (--tls-cert/--tls-key), got only "
+                                  f"{'tls_cert' if self.tls_cert else 'tls_key'}")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgument("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+        if not isinstance(self.remote_rtt_ms, (int, float)) or self.remote_rtt_ms < 0:
+            raise InvalidArgument(f"remote_rtt_ms must be a non-negative number, got {self.remote_rtt_ms!r}")
+        if not isinstance(self.peers, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p) for p in self.peers):
+            raise InvalidArgument(f"peers must be (region, HOST:PORT) pairs, got {self.peers!r}")
+        from feeder.security import is_loopback
+
+        for what, address in (("listen", self.listen), ("metrics_listen", self.metrics_listen)):
+            if address and not self.tls_cert and not self.insecure and not is_loopback(address.rpartition(":")[0]):
+                raise InvalidArgument(
+                    f"{what} {address} is beyond loopback and would be plain text: give --tls-cert and --tls-key "
+                    "(TLS), or --insecure to serve plain text anyway")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)

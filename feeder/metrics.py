@@ -120,15 +120,22 @@ class EngineCollector:
         yield from fam.values()
 
 
-def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str) -> tuple[object, str]:
-    """Serve /metrics on HOST:PORT (port 0: any free port); returns (server, 'HOST:PORT')."""
+def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
+                  tls: tuple[str, str, str] | None = None) -> tuple[object, str]:
+    """Serve /metrics on HOST:PORT (port 0: any free port); returns (server, 'HOST:PORT').
+    With tls=(cert, key, client_ca) it is HTTPS with the feeder's own certificate (and
+    client certificates required when client_ca is set), read once at start."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     host, _, port = listen.rpartition(":")
     host = host or "0.0.0.0"
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, loop))
-    server, _thread = start_http_server(int(port), addr=host, registry=registry)
+    kw = {}
+    if tls:
+        cert, key, ca = tls
+        kw = dict(certfile=cert, keyfile=key, client_cafile=ca or None, client_auth_required=bool(ca))
+    server, _thread = start_http_server(int(port), addr=host, registry=registry, **kw)
     real = server.server_port
     log.info("metrics on %s:%d (pid %d)", host, real, os.getpid())
     return server, f"{host}:{real}"

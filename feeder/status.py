@@ -5,20 +5,27 @@ import time
 
 import grpc
 
-from feeder.errors import NotFound, Unavailable
+from feeder.errors import Code, FeederError, NotFound, Unavailable
+from feeder.security import ClientSecurity, explain
+
+PLAIN = ClientSecurity()
 
 
-def fetch(target: str, job: str = "", timeout: float = 5.0):
+def fetch(target: str, job: str = "", timeout: float = 5.0, security: ClientSecurity = PLAIN):
     from feeder.v1 import feeder_pb2 as pb
     from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(target) as ch:
+    with security.channel(target) as ch:
         try:
-            return pb_grpc.FeederStub(ch).Status(pb.StatusRequest(job=job), timeout=timeout)
+            return pb_grpc.FeederStub(ch).Status(pb.StatusRequest(job=job), timeout=timeout,
+                                                 metadata=security.metadata())
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            code = e.code()
+            if code == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(e.details()) from None
-            raise Unavailable(f"cannot reach feeder at {target}: {e.code().name}: {e.details()}") from None
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise FeederError(f"{target} refused: {e.details()}", code=Code[code.name]) from None
+            raise Unavailable(f"cannot reach feeder at {explain(e, target, security)}") from None
 
 
 def render(reply, target: str):
@@ -43,17 +50,18 @@ def render(reply, target: str):
     return t
 
 
-def _view(target: str, job: str):
+def _view(target: str, job: str, security: ClientSecurity):
     """The table, or while watching, a line saying why there is none right now."""
     from rich.text import Text
 
     try:
-        return render(fetch(target, job), target)
+        return render(fetch(target, job, security=security), target)
     except (Unavailable, NotFound) as e:
         return Text(f"{time.strftime('%H:%M:%S')} {e.message} (retrying every few seconds)")
 
 
-def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2.0) -> int:
+def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2.0,
+         security: ClientSecurity = PLAIN) -> int:
     import sys
 
     from rich.console import Console
@@ -61,20 +69,20 @@ def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=200)  # logs and pipes: no squeezing
     if not watch:
-        console.print(render(fetch(target, job), target))
+        console.print(render(fetch(target, job, security=security), target))
         return 0
-    fetch(target, job)  # a wrong target or job is an error now, not an endless retry loop
+    fetch(target, job, security=security)  # a wrong target or job is an error now, not an endless retry loop
     try:
         if not tty:  # a pipe or a log: one snapshot per interval, appended
             while True:
-                console.print(_view(target, job))
+                console.print(_view(target, job, security))
                 sys.stdout.flush()
                 time.sleep(interval)
         from rich.live import Live
 
-        with Live(_view(target, job), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(_view(target, job, security), console=console, refresh_per_second=4, screen=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(_view(target, job))
+                live.update(_view(target, job, security))
     except KeyboardInterrupt:
         return 0

@@ -61,15 +61,36 @@ class Server:
         self.stopped = asyncio.Event()
         self.metrics_server = None
         self.metrics_address = ""
+        self.tokens = None
+        self.certificates = None
 
     async def start(self) -> int:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        cfg = self.cfg
+        interceptors = []
+        if cfg.tokens_file:
+            from feeder.security import AuthInterceptor, TokenStore
+            from feeder.service.servicer import STATUS
+
+            self.tokens = TokenStore(cfg.tokens_file)
+            interceptors.append(AuthInterceptor(self.tokens, STATUS))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         add_to_server(FeederServicer(self.engine), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(self.cfg.listen)
+        if cfg.tls:
+            from feeder.security import ReloadingCertificates
+
+            self.certificates = ReloadingCertificates(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            self.port = self.server.add_secure_port(cfg.listen, self.certificates.credentials())
+        else:
+            from feeder.security import is_loopback
+
+            if not is_loopback(cfg.listen.rpartition(":")[0]):
+                log.warning("serving PLAIN TEXT on %s (--insecure): tokens, cursors and data cross the network "
+                            "unencrypted; use --tls-cert/--tls-key beyond a trusted network", cfg.listen)
+            self.port = self.server.add_insecure_port(cfg.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         await self.server.start()
@@ -77,7 +98,8 @@ class Server:
             from feeder.metrics import start_metrics
 
             self.metrics_server, self.metrics_address = start_metrics(
-                self.engine, asyncio.get_running_loop(), self.cfg.metrics_listen)
+                self.engine, asyncio.get_running_loop(), cfg.metrics_listen,
+                tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None)
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.SERVING)
         return self.port

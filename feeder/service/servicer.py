@@ -57,7 +57,11 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
     if r.compression not in (pb.COMPRESSION_UNSPECIFIED, *COMPRESSION_NAME):
         raise FeederError(f"compression must be NONE or ZSTD, got enum value {r.compression}",
                           code=Code.INVALID_ARGUMENT)
-    compression = COMPRESSION_NAME.get(r.compression, cfg.default_compression)
+    # A rank that leaves compression to us gets the feeder's default, except that a remote
+    # one (its measured RTT at least remote_rtt_ms) always gets zstd: over a long link bytes
+    # cost more than the CPU to shrink them.
+    remote = r.rtt_us > 0 and r.rtt_us >= cfg.remote_rtt_ms * 1000
+    compression = COMPRESSION_NAME.get(r.compression, "zstd" if remote else cfg.default_compression)
     level = r.compression_level if r.compression_level else cfg.default_level
     return StreamSpec(job=r.job, rank=r.rank, world_size=r.world_size, seq_len=r.seq_len,
                       micro_batch=r.micro_batch, seed=r.seed, shuffle=r.shuffle, drop_last=r.drop_last,
@@ -130,7 +134,8 @@ class FeederServicer(pb_grpc.FeederServicer):
         fingerprint = await asyncio.to_thread(lambda: src.fingerprint)  # Kafka asks the broker
         return pb.InfoReply(fingerprint=fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
                             vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],
-                            region=e.cfg.region, version=e.version, datasets=sorted(e.sources))
+                            region=e.cfg.region, version=e.version, datasets=sorted(e.sources),
+                            peers=dict(e.cfg.peers))
 
     @unary
     async def Status(self, request, context):

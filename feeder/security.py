@@ -1,0 +1,328 @@
+"""TLS, mutual TLS and per-job bearer tokens: the server's credentials and interceptor, and
+the one way every client here (FeederClient, `feeder status`, `feeder health`) opens a channel.
+
+Certificates and the tokens file are re-read when their files change, so rotating either
+needs no restart: new connections (TLS) and new calls (tokens) see the new material; open
+streams keep the identity they were admitted with.
+"""
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from feeder.errors import Code, FeederError, InvalidArgument
+
+log = logging.getLogger("feeder.security")
+
+ALL_JOBS = "*"
+# Methods a token must name the job of; Info (dataset facts) needs only a valid token, and
+# health and reflection stay open for probes and load balancers.
+FEEDER_SERVICE = "/feeder.v1.Feeder/"
+JOB_SCOPED = ("Stream", "Report", "Status")
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return "ftk_" + secrets.token_urlsafe(32)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read {path}: {e.strerror}") from None
+
+
+def _mtimes(paths) -> tuple:
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+# ---- server: TLS ------------------------------------------------------------------------
+
+class ReloadingCertificates:
+    """Server certificate (and client CA for mTLS), re-read when a file changes. gRPC asks
+    `fetch` at each new handshake; returning None keeps the current configuration."""
+
+    def __init__(self, cert: str, key: str, client_ca: str = ""):
+        self.paths = tuple(p for p in (cert, key, client_ca) if p)
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._seen = _mtimes(self.paths)
+        self._lock = threading.Lock()
+        self._checked = 0.0
+        self.reloads = 0
+        self.initial = self._config()
+
+    def _config(self):
+        pairs = [(_read(self.key), _read(self.cert))]
+        ca = _read(self.client_ca) if self.client_ca else None
+        return grpc.ssl_server_certificate_configuration(pairs, root_certificates=ca)
+
+    def fetch(self):
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked < 1.0:
+                return None
+            self._checked = now
+            seen = _mtimes(self.paths)
+            if seen == self._seen:
+                return None
+            try:
+                cfg = self._config()
+            except Exception as e:  # a half-written rotation: keep serving with what works
+                log.warning("certificate reload failed, keeping the current one: %s", e)
+                return None
+            self._seen = seen
+            self.reloads += 1
+            log.info("reloaded TLS material (%s)", ", ".join(self.paths))
+            return cfg
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self.initial, self.fetch,
+                                                   require_client_authentication=bool(self.client_ca))
+
+
+# ---- server: tokens ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Grant:
+    name: str
+    jobs: frozenset[str]
+
+    def allows(self, job: str) -> bool:
+        return ALL_JOBS in self.jobs or job in self.jobs
+
+
+class TokenStore:
+    """The tokens file (TOML): one `[[token]]` per credential with `sha256` (of the token;
+    `feeder token` prints both) or `token` (the secret itself), `jobs` (names, or "*") and an
+    optional `name` for logs. Re-read when it changes; a broken edit keeps the last good set."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seen = None
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self.grants: dict[str, Grant] = self._load()
+        self._seen = _mtimes([path])
+
+    def _load(self) -> dict[str, Grant]:
+        from feeder.regions import load_toml
+
+        data = load_toml(self.path)
+        entries = data.get("token", [])
+        if not isinstance(entries, list):
+            raise InvalidArgument(f"{self.path}: expected [[token]] tables, got {type(entries).__name__}")
+        grants = {}
+        for i, t in enumerate(entries):
+            where = f"{self.path}: token #{i + 1}"
+            if not isinstance(t, dict):
+                raise InvalidArgument(f"{where}: expected a table")
+            unknown = set(t) - {"sha256", "token", "jobs", "name"}
+            if unknown:
+                raise InvalidArgument(f"{where}: unknown key(s) {sorted(unknown)}; expected sha256 or token, "
+                                      "jobs, name")
+            digest = t.get("sha256") or (token_hash(t["token"]) if t.get("token") else "")
+            if len(digest) != 64:
+                raise InvalidArgument(f"{where}: needs sha256 = \"<64 hex digits>\" or token = \"...\"")
+            jobs = t.get("jobs")
+            if not isinstance(jobs, list) or not jobs or not all(isinstance(j, str) and j for j in jobs):
+                raise InvalidArgument(f"{where}: jobs must be a non-empty list of job names (or [\"*\"])")
+            grants[digest.lower()] = Grant(name=str(t.get("name", f"token{i + 1}")), jobs=frozenset(jobs))
+        return grants
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < 1.0:
+            return
+        with self._lock:
+            self._checked = now
+            seen = _mtimes([self.path])
+            if seen == self._seen:
+                return
+            try:
+                self.grants = self._load()
+                log.info("reloaded %d token(s) from %s", len(self.grants), self.path)
+            except FeederError as e:
+                log.warning("tokens file reload failed, keeping the last good set: %s", e)
+            self._seen = seen
+
+    def lookup(self, token: str) -> Grant | None:
+        self._maybe_reload()
+        return self.grants.get(token_hash(token))
+
+
+def bearer(metadata) -> str:
+    for k, v in metadata or ():
+        if k == "authorization":
+            v = v.decode() if isinstance(v, bytes) else v
+            scheme, _, tok = v.partition(" ")
+            return tok.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def authorize(store: TokenStore, method: str, metadata) -> Grant:
+    """Who the caller is, or UNAUTHENTICATED. Which job they may touch is checked per request."""
+    tok = bearer(metadata)
+    if not tok:
+        raise FeederError(f"{method.rsplit('/', 1)[-1]} needs a bearer token (metadata 'authorization: Bearer "
+                          "<token>'; FeederDataset(token=...) or --token-file)", code=Code.UNAUTHENTICATED)
+    grant = store.lookup(tok)
+    if grant is None:
+        raise FeederError("the bearer token is not valid for this feeder (unknown, revoked or mistyped)",
+                          code=Code.UNAUTHENTICATED)
+    return grant
+
+
+def check_job(grant: Grant, method: str, job: str) -> None:
+    if grant.allows(job):
+        return
+    what = f"job {job!r}" if job else "all jobs (ask with --job NAME)"
+    raise FeederError(f"token {grant.name!r} may not {method} {what}; it grants {sorted(grant.jobs)}",
+                      code=Code.PERMISSION_DENIED)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admits a Feeder call only with a valid bearer token, and only for the job it names.
+    The job is in the request body, which an interceptor cannot see, so the handler is
+    wrapped to check it before the servicer runs."""
+
+    def __init__(self, store: TokenStore, status_map):
+        self.store = store
+        self.status = status_map
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or not method.startswith(FEEDER_SERVICE):
+            return handler
+        name = method[len(FEEDER_SERVICE):]
+        try:
+            grant = authorize(self.store, method, details.invocation_metadata)
+            err = None
+        except FeederError as e:
+            grant, err = None, e
+        status = self.status
+
+        if handler.response_streaming:
+            inner = handler.unary_stream
+
+            async def stream_behavior(request, context):
+                try:
+                    if err:
+                        raise err
+                    if name in JOB_SCOPED:
+                        check_job(grant, name, request.job)
+                except FeederError as e:
+                    log.warning("refused %s from %s: %s", name, context.peer(), e)
+                    await context.abort(status[e.code], e.message)
+                async for reply in inner(request, context):
+                    yield reply
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream_behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+        inner_unary = handler.unary_unary
+
+        async def unary_behavior(request, context):
+            try:
+                if err:
+                    raise err
+                if name in JOB_SCOPED:
+                    check_job(grant, name, request.job)
+            except FeederError as e:
+                log.warning("refused %s from %s: %s", name, context.peer(), e)
+                await context.abort(status[e.code], e.message)
+            return await inner_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_behavior, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+# ---- client -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ClientSecurity:
+    """How a client reaches feeders. All empty: plain text (loopback development)."""
+
+    ca: str = ""            # PEM of the CA that signed the feeders' certificates: TLS on
+    cert: str = ""          # client certificate + key, for feeders that require mutual TLS
+    key: str = ""
+    token: str = ""         # bearer token, or
+    token_file: str = ""    # a file holding it (re-read for every new call: rotation)
+    server_name: str = ""   # expected name in the feeder's certificate, when it differs from the host
+
+    def __post_init__(self):
+        if bool(self.cert) != bool(self.key):
+            raise InvalidArgument("a client certificate needs both cert and key, got only "
+                                  f"{'cert' if self.cert else 'key'}")
+        if self.cert and not self.ca:
+            raise InvalidArgument("a client certificate (mutual TLS) needs ca= too: the CA of the feeders")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca)
+
+    def channel(self, target: str, options=()) -> grpc.Channel:
+        options = list(options)
+        if not self.tls:
+            return grpc.insecure_channel(target, options=options)
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(self.ca),
+                                             private_key=_read(self.key) if self.key else None,
+                                             certificate_chain=_read(self.cert) if self.cert else None)
+        return grpc.secure_channel(target, creds, options=options)
+
+    def metadata(self) -> tuple:
+        tok = self.token
+        if self.token_file:
+            tok = _read(self.token_file).decode().strip()
+        return (("authorization", f"Bearer {tok}"),) if tok else ()
+
+
+def explain(e: grpc.RpcError, target: str, security: ClientSecurity) -> str:
+    """An RpcError in words, with the likely fix for the transport mistakes people make."""
+    code, details = e.code(), e.details() or ""
+    msg = f"{target}: {code.name}: {details}"
+    low = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if not security.tls and ("socket closed" in low or "connection reset" in low or "eof" in low):
+            msg += " (does this feeder use TLS? pass its CA: --ca / FeederDataset(tls_ca=...))"
+        elif security.tls and not security.cert and "socket closed" in low:
+            msg += (" (does this feeder require a client certificate, i.e. mutual TLS? pass --cert/--key / "
+                    "FeederDataset(tls_cert=..., tls_key=...))")
+        elif security.tls and ("ssl" in low or "handshake" in low or "certificate" in low or "tls" in low):
+            msg += (" (TLS handshake failed: is the feeder plain text, is --ca the right CA, or does it need a "
+                    "client certificate?)")
+    return msg

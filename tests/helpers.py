@@ -50,6 +50,21 @@ def sample(stream: np.ndarray, i: int, seq_len: int) -> np.ndarray:
     return stream[i * seq_len:i * seq_len + seq_len + 1]
 
 
+def expected_ids(stream: np.ndarray, rank: int, world: int, seq_len: int, seed: int, epoch: int = 0) -> list[int]:
+    from feeder.sampler import n_samples
+
+    return reference_ids(n_samples(len(stream), seq_len), world, rank, shuffle=True, seed=seed, drop_last=False,
+                         epoch=epoch)
+
+
+def check_batches(batches, stream: np.ndarray, seq_len: int, want: list[int]) -> None:
+    """The batches hold exactly `want`, in order, each sample's tokens cut from the stream."""
+    assert [i for b in batches for i in b.sample_ids.tolist()] == want
+    for b in batches:
+        for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
+            np.testing.assert_array_equal(row, sample(stream, i, seq_len))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,10 +74,10 @@ def free_port() -> int:
 class FeederProc:
     """A `feeder serve` subprocess on a fixed port, so a restart keeps its address."""
 
-    def __init__(self, dataset, port=None, extra=(), source=None):
+    def __init__(self, dataset, port=None, extra=(), source=None, host="127.0.0.1"):
         self.source = str(source or dataset)
         self.port, self.extra = port or free_port(), list(extra)
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.proc = None
         self.metrics = ""
         self.start()

@@ -8,12 +8,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from client import FeederDataset
 from feeder.sampler import n_samples, per_rank
-from tests.helpers import FeederProc, reference_ids, sample
+from tests.helpers import FeederProc, reference_ids
+from tests.helpers import check_batches as check, expected_ids as expected
 
 pytestmark = pytest.mark.fault
 
@@ -24,18 +24,6 @@ def two_feeders(dataset):
     yield feeders
     for f in feeders:
         f.stop()
-
-
-def expected(stream, rank, world, seq_len, seed):
-    return reference_ids(n_samples(len(stream), seq_len), world, rank, shuffle=True, seed=seed, drop_last=False,
-                         epoch=0)
-
-
-def check(batches, stream, seq_len, want):
-    assert [i for b in batches for i in b.sample_ids.tolist()] == want
-    for b in batches:
-        for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
-            np.testing.assert_array_equal(row, sample(stream, i, seq_len))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env proto demo test test-fast bench kafka kafka-stop clean
+.PHONY: env proto demo test test-fast bench kafka kafka-stop toxiproxy regions clean
 
 env: $(STAMP)
 
@@ -28,7 +28,7 @@ demo: env
 
 # The Kafka tests need the real broker: started before the suite, stopped after it
 # whatever the outcome (the suite's exit code is kept).
-test: env
+test: env toxiproxy
 	$(PY) deploy/kafka/broker.py start
 	$(PY) -m pytest -q -ra --durations=15; rc=$$?; $(PY) deploy/kafka/broker.py stop; exit $$rc
 
@@ -42,6 +42,16 @@ kafka:
 
 kafka-stop:
 	$(PYTHON) deploy/kafka/broker.py stop
+
+# Toxiproxy for the WAN tests, built from the Go module proxy into ~/.cache/feeder/toxiproxy
+# (kept across runs); without Go the tests use their user-space proxy instead.
+toxiproxy: env
+	@$(PY) -c "from tests.wanproxy import ensure_toxiproxy as e; p = e(); \
+	print('toxiproxy:', p or 'no Go here, the WAN tests use the user-space proxy')"
+
+# Three regions on this host (deploy/local/): us-east, eu-west, ap-south on 127.0.0.1:7101-7103.
+regions: env
+	$(PY) deploy/local/launch.py $(if $(DATASET),--dataset $(DATASET))
 
 test-fast: env
 	$(PY) -m pytest -q -ra -m "not slow and not kafka"

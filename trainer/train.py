@@ -20,13 +20,21 @@ import torch
 import torch.distributed as dist
 
 from client import FeederDataset, feeder_info
+from feeder.security import ClientSecurity
 
 HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", required=True, help="feeder addresses, nearest first, comma separated")
+    p.add_argument("--targets", required=True, help="feeder addresses, comma separated: HOST:PORT or "
+                   "REGION=HOST:PORT (one per region; each rank streams from the nearest and fails over)")
+    p.add_argument("--prefer", default="rtt", choices=["rtt", "order"],
+                   help="rtt: nearest region first, by measured round trip; order: as given")
+    p.add_argument("--tls-ca", default="", help="CA of the feeders' certificates (TLS)")
+    p.add_argument("--tls-cert", default="", help="this job's client certificate (feeders with mutual TLS)")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--token-file", default="", help="the job's bearer token (feeders with --tokens-file)")
     p.add_argument("--job", default="train")
     p.add_argument("--model-size", default="tiny", help="tiny | small | base | 1b")
     p.add_argument("--seq-len", type=int, default=128)
@@ -67,8 +75,10 @@ def main(argv=None) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    targets = [t for t in args.targets.split(",") if t]
-    info = feeder_info(targets)
+    entries = [t for t in args.targets.split(",") if t]
+    targets = dict(e.split("=", 1) for e in entries) if all("=" in e for e in entries) else entries
+    security = ClientSecurity(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file)
+    info = feeder_info(list(targets.values()) if isinstance(targets, dict) else targets, security=security)
     # Every rank must expect the same dataset: for a Kafka topic, Info names the epoch a job
     # starting now would read, and the topic may grow between two ranks' calls. Rank 0's wins.
     fingerprint = [info.fingerprint]
@@ -95,7 +105,9 @@ def main(argv=None) -> int:
     data = FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
                          micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
                          num_epochs=args.epochs, cursor=cursor, reshard=reshard,
-                         expected_fingerprint=fingerprint[0], compression=args.compression)
+                         expected_fingerprint=fingerprint[0], compression=args.compression, prefer=args.prefer,
+                         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         token_file=args.token_file)
     batches = iter(data)
     ids_log = None
     if args.log_ids:

@@ -203,7 +203,7 @@ class RankStream:
         self._finished = False
         self._deferred: FeederError | None = None
         self._producer: asyncio.Task | None = None
-        self._built_any = False
+        self._cap = 1                # batches allowed in the next message (doubles up to the maximum)
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
@@ -260,11 +260,13 @@ class RankStream:
             out.append(b)
             size += b.wire_bytes
             per = planned.samples_in_epoch
-            # The first message holds one batch (time to first batch); later ones fill up to
-            # message_bytes, but never so many small batches that one message takes long to build.
-            if size >= self.cfg.message_bytes or len(out) >= MAX_BATCHES_PER_MESSAGE or not self._built_any:
+            # Slow start: message k holds at most 2**k batches (the first one batch: time to
+            # first batch), so over a thin or long link the rank's second batch does not wait
+            # behind a megabyte; then messages fill up to message_bytes, but never with so many
+            # small batches that one message takes long to build.
+            if size >= self.cfg.message_bytes or len(out) >= self._cap:
                 break
-        self._built_any = True
+        self._cap = min(2 * self._cap, MAX_BATCHES_PER_MESSAGE)
         return (out, per, self.serialize(out)) if out else None
 
     async def _produce(self) -> None:

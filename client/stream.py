@@ -9,6 +9,7 @@ in order, and never an error for a failure another feeder can cover.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -129,6 +130,12 @@ def decode(b: pb.Batch, region: str = "") -> FeederBatch:
 
 
 _END = object()
+
+
+def rtt_step(rtt_s: float) -> float:
+    if rtt_s == float("inf"):
+        return rtt_s
+    return math.floor(math.log(max(rtt_s, 1e-3) / 1e-3, 1.5))
 
 
 def measure_rtt(channel: grpc.Channel, probes: int = 4, timeout: float = 3.0) -> float:
@@ -286,7 +293,9 @@ class FeederClient:
             rtts = list(ex.map(lambda t: measure_rtt(self._channel(t)), self.targets))
         self.rtt_s = dict(zip(self.targets, rtts))
         if self.cfg.prefer == "rtt":
-            self.targets.sort(key=lambda t: self.rtt_s[t])
+            # Stable sort on RTT in steps of 1.5x above 1 ms: feeders of one datacenter (or
+            # about equally far) keep the order given, a clearly nearer region goes first.
+            self.targets.sort(key=lambda t: rtt_step(self.rtt_s[t]))
         names = dict(zip(self.cfg.targets, self.cfg.regions or self.cfg.targets))
         log.info("rank %d targets, in order: %s", self.cfg.spec.rank, ", ".join(
             f"{names[t]} {self.rtt_s[t] * 1e3:.1f} ms" if self.rtt_s[t] != float("inf") else f"{names[t]} (down)"

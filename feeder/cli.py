@@ -75,6 +75,11 @@ def serve_config(args):
         v = getattr(args, flag)
         if v is not None:
             values[field] = v
+    if args.peers is not None:
+        pairs = [p.partition("=") for p in args.peers.split(",") if p]
+        if not all(sep and name and addr for name, sep, addr in pairs):
+            raise InvalidArgument(f"--peers must be REGION=HOST:PORT,..., got {args.peers!r}")
+        values["peers"] = tuple(sorted((name, addr) for name, _, addr in pairs))
     secret_file = args.cursor_secret_file or values.pop("cursor_secret_file", None)
     if secret_file:
         try:
@@ -264,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:7070; port 0: any free port). Beyond "
                    "loopback it needs --tls-cert/--tls-key, or --insecure")
     s.add_argument("--region", help="this feeder's region name (default local)")
+    s.add_argument("--peers", help="the other regions' feeders, told to clients by Info: REGION=HOST:PORT,...")
     s.add_argument("--prefetch-messages", type=int, help="messages queued ahead per stream (default 8)")
     s.add_argument("--prefetch-bytes", type=int, help="bytes queued ahead per stream (default 32 MiB)")
     s.add_argument("--message-bytes", type=int, help="target size of one stream message (default 1 MiB)")

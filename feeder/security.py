@@ -232,18 +232,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             grant, err = None, e
         status = self.status
 
+        async def admit(request, context) -> None:
+            try:
+                if err:
+                    raise err
+                if name in JOB_SCOPED:
+                    check_job(grant, name, request.job)
+            except FeederError as e:
+                log.warning("refused %s from %s: %s", name, context.peer(), e)
+                await context.abort(status[e.code], e.message)
+
         if handler.response_streaming:
             inner = handler.unary_stream
 
             async def stream_behavior(request, context):
-                try:
-                    if err:
-                        raise err
-                    if name in JOB_SCOPED:
-                        check_job(grant, name, request.job)
-                except FeederError as e:
-                    log.warning("refused %s from %s: %s", name, context.peer(), e)
-                    await context.abort(status[e.code], e.message)
+                await admit(request, context)
                 async for reply in inner(request, context):
                     yield reply
 
@@ -254,14 +257,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         inner_unary = handler.unary_unary
 
         async def unary_behavior(request, context):
-            try:
-                if err:
-                    raise err
-                if name in JOB_SCOPED:
-                    check_job(grant, name, request.job)
-            except FeederError as e:
-                log.warning("refused %s from %s: %s", name, context.peer(), e)
-                await context.abort(status[e.code], e.message)
+            await admit(request, context)
             return await inner_unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

@@ -4,10 +4,9 @@ import os
 
 import pytest
 
-from feeder.config import PrepConfig, ServeConfig
-from feeder.prep import prep
+from feeder.config import ServeConfig
 from feeder.service.server import ServerThread
-from tests.helpers import byte_stream, make_docs, write_jsonl
+from tests.helpers import byte_stream, make_docs, prep_docs
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -25,11 +24,7 @@ def stream(docs):
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory, docs):
     """Byte-tokenized dataset with many small chunks and shards, so samples cross both."""
-    root = tmp_path_factory.mktemp("ds")
-    src = write_jsonl(root / "docs.jsonl", docs)
-    prep(PrepConfig(inputs=(str(src),), out=str(root / "shards"), shard_tokens=3000, chunk_tokens=700,
-                    workers=1, progress=False))
-    return root / "shards"
+    return prep_docs(tmp_path_factory.mktemp("ds"), docs, shard_tokens=3000, chunk_tokens=700)
 
 
 @pytest.fixture(scope="session")

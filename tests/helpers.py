@@ -31,6 +31,16 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
     return path
 
 
+def prep_docs(root: Path, docs: list[str], **kw) -> Path:
+    """`feeder prep` (byte tokenizer, one worker) of docs into root/shards."""
+    from feeder.config import PrepConfig
+    from feeder.prep import prep
+
+    prep(PrepConfig(inputs=(str(write_jsonl(root / "docs.jsonl", docs)),), out=str(root / "shards"), workers=1,
+                    progress=False, **kw))
+    return root / "shards"
+
+
 def byte_stream(docs: list[str]) -> np.ndarray:
     """The packed stream under the byte tokenizer, computed without the feeder's code."""
     ids: list[int] = []

@@ -15,9 +15,7 @@ import pytest
 
 from client import FeederDataset
 from client.stream import feeder_info
-from feeder.config import PrepConfig
-from feeder.prep import prep
-from tests.helpers import byte_stream, check_batches, expected_ids, free_port, make_docs, write_jsonl
+from tests.helpers import byte_stream, check_batches, expected_ids, free_port, make_docs, prep_docs
 
 pytestmark = pytest.mark.fault
 LAUNCH = Path(__file__).resolve().parents[1] / "deploy" / "local" / "launch.py"
@@ -29,10 +27,7 @@ def big(tmp_path_factory):
     """~12 M tokens: each rank's epoch (~8 MB) is more than a stream holds in flight (server
     queue, HTTP/2 window, socket buffers), so a kill lands while data is still to come."""
     docs = make_docs(26000, seed=9, max_words=150)
-    root = tmp_path_factory.mktemp("regions")
-    prep(PrepConfig(inputs=(str(write_jsonl(root / "docs.jsonl", docs)),), out=str(root / "shards"),
-                    workers=1, progress=False))
-    return root / "shards", byte_stream(docs)
+    return prep_docs(tmp_path_factory.mktemp("regions"), docs), byte_stream(docs)
 
 
 @pytest.fixture
@@ -55,6 +50,8 @@ def test_three_local_regions_one_killed_mid_epoch_every_rank_exact(regions, big)
     # Each region serves its own replica, with the one fingerprint.
     fps = {feeder_info([a]).fingerprint for a in addresses.values()}
     assert len(fps) == 1
+    # Each region tells clients where the others are.
+    assert dict(feeder_info(addresses["us-east"]).peers) == {r: addresses[r] for r in ("eu-west", "ap-south")}
     for name in REGIONS:
         replica = Path(regions["root"]) / name / "dataset"
         assert (replica / "manifest.json").exists()

@@ -74,7 +74,7 @@ def refused(address, security, job="A"):
     return e.value
 
 
-def test_mtls_and_job_tokens_admit_only_what_they_name(secure_feeder, pki, stream):
+def test_mtls_and_job_tokens_admit_only_what_they_name(secure_feeder, pki, stream, tmp_path):
     addr = secure_feeder.address
     # The right certificate and token: the exact DistributedSampler stream, over TLS.
     ds = FeederDataset([addr], job="A", rank=1, world_size=2, seq_len=SEQ, micro_batch=MB, seed=SEED,
@@ -115,10 +115,17 @@ def test_mtls_and_job_tokens_admit_only_what_they_name(secure_feeder, pki, strea
         next(client)
     client.close()
     assert fe.value.code == Code.PERMISSION_DENIED and time.monotonic() - t0 < 10
-    # Health stays open for probes; it is the only thing a tokenless caller gets.
-    assert subprocess.run([sys.executable, "-m", "feeder.cli", "health", "--target", addr, "--ca",
-                           str(pki / "ca" / "ca.crt"), "--cert", str(pki / "rank.crt"), "--key",
-                           str(pki / "rank.key")], capture_output=True, text=True).returncode == 0
+    # Health stays open for probes (no token); the probe the manifests run reads the region
+    # file and authenticates with the feeder's own certificate.
+    region = tmp_path / "region.toml"
+    region.write_text(f'region = "r"\nlisten = "{addr}"\nsource = "unused"\n[tls]\ncert = "{pki}/feeder.crt"\n'
+                      f'key = "{pki}/feeder.key"\nca = "{pki}/ca/ca.crt"\nclient_ca = "{pki}/ca/ca.crt"\n')
+    r = subprocess.run([sys.executable, "-m", "feeder.cli", "health", "--config", str(region)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"{addr}: SERVING", r
+    r = subprocess.run([sys.executable, "-m", "feeder.cli", "health", "--target", addr, "--ca",
+                        str(pki / "ca" / "ca.crt")], capture_output=True, text=True, timeout=60)  # no client cert
+    assert r.returncode == 1 and "client certificate" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_plain_text_to_a_tls_port_fails_cleanly(secure_feeder, pki):
@@ -174,13 +181,9 @@ def test_tokens_and_certificates_rotate_without_restart(secure_feeder, pki, tmp_
 
 def test_fingerprint_mismatch_is_refused_and_the_client_moves_to_a_matching_region(dataset, tmp_path, docs, stream):
     from feeder import manifest as mf
-    from feeder.config import PrepConfig
-    from feeder.prep import prep
-    from tests.helpers import write_jsonl
+    from tests.helpers import prep_docs
 
-    other = tmp_path / "stale-replica"
-    prep(PrepConfig(inputs=(str(write_jsonl(tmp_path / "d.jsonl", docs[:-3])),), out=str(other), workers=1,
-                    progress=False))
+    other = prep_docs(tmp_path, docs[:-3])  # a stale replica: three documents short
     good_fp, stale_fp = mf.read(dataset).fingerprint, mf.read(other).fingerprint
     stale, good = FeederProc(other, extra=["--region", "stale"]), FeederProc(dataset, extra=["--region", "good"])
     try:

@@ -8,11 +8,8 @@ import time
 import pytest
 
 from client import FeederDataset
-from feeder.config import PrepConfig
-from feeder.prep import prep
 from feeder.status import fetch
-from tests.helpers import (FeederProc, byte_stream, check_batches, expected_ids, make_docs, sample,
-                           write_jsonl)
+from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, sample
 from tests.wanproxy import PyProxies, start_proxies
 
 pytestmark = pytest.mark.wan
@@ -31,10 +28,7 @@ def wan_stream(wan_docs):
 
 @pytest.fixture(scope="module")
 def wan_dataset(tmp_path_factory, wan_docs):
-    root = tmp_path_factory.mktemp("wan")
-    prep(PrepConfig(inputs=(str(write_jsonl(root / "docs.jsonl", wan_docs)),), out=str(root / "shards"),
-                    shard_tokens=400_000, chunk_tokens=100_000, workers=1, progress=False))
-    return root / "shards"
+    return prep_docs(tmp_path_factory.mktemp("wan"), wan_docs, shard_tokens=400_000, chunk_tokens=100_000)
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +170,21 @@ def test_the_user_space_proxy_adds_the_latency_it_is_asked_for(wan_dataset):
     finally:
         feeder.stop()
         p.close()
+
+
+def test_the_nearest_region_feeds_the_rank_unless_the_order_is_asked_for(wan_dataset, proxies):
+    feeders = {r: FeederProc(wan_dataset, extra=["--region", r]) for r in ("far", "near")}
+    far = proxies.proxy(feeders["far"].address)
+    far.latency(80)
+    try:
+        targets = {"far": far.listen, "near": feeders["near"].address}  # the far one given first
+        for prefer, region in (("rtt", "near"), ("order", "far")):
+            ds = FeederDataset(targets, job=f"pick-{prefer}", rank=0, world_size=1, seq_len=64, micro_batch=2,
+                               prefer=prefer)
+            b = next(iter(ds))
+            assert b.region == ds.region == region
+            assert ds.client.rtt_s[far.listen] > 0.07 > ds.client.rtt_s[feeders["near"].address]
+            ds.client.close()
+    finally:
+        for f in feeders.values():
+            f.stop()

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     env = {**os.environ, "FEEDER_LOCAL": str(root)}
     procs: dict[str, subprocess.Popen] = {}
     addresses: dict[str, str] = {}
-    for i, name in enumerate(args.regions.split(",")):
+    names = args.regions.split(",")
+    for i, name in enumerate(names):
         config = HERE / f"{name}.toml"
         if not config.exists():
             print(f"launch: no region file {config}", file=sys.stderr)
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
         replicate(dataset, root / name / "dataset")
         cmd = [sys.executable, "-m", "feeder.cli", "serve", "--config", str(config), *args.extra.split()]
         if args.port_base:
-            cmd += ["--listen", f"127.0.0.1:{args.port_base + i}"]
+            cmd += ["--listen", f"127.0.0.1:{args.port_base + i}", "--peers", ",".join(
+                f"{other}=127.0.0.1:{args.port_base + j}" for j, other in enumerate(names) if other != name)]
         log = open(root / name / "feeder.log", "ab")
         procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     for name, proc in procs.items():

@@ -138,7 +138,7 @@ def rtt_step(rtt_s: float) -> float:
     return math.floor(math.log(max(rtt_s, 1e-3) / 1e-3, 1.5))
 
 
-def measure_rtt(channel: grpc.Channel, probes: int = 4, timeout: float = 3.0) -> float:
+def measure_rtt(channel: grpc.Channel, probes: int = 3, timeout: float = 3.0) -> float:
     """Round-trip time to a feeder in seconds (inf when it does not answer): the fastest of
     a few health checks after the first, which also pays for connecting and the handshake."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -44,7 +44,14 @@ def test_paused_reader_keeps_feeder_memory_within_the_prefetch_budget(big_datase
     feeder = FeederProc(big_dataset)
     try:
         budget_mb = 32  # --prefetch-bytes default
-        ch = grpc.insecure_channel(feeder.address)
+        # The client's own channel settings, pinging every 5 s: over the pause below nothing
+        # flows, so a server that did not accept those pings would answer GOAWAY too_many_pings.
+        from client.stream import ClientConfig, channel_options
+        from feeder.config import StreamSpec
+
+        opts = channel_options(ClientConfig(targets=(feeder.address,), keepalive_s=5, spec=StreamSpec(
+            job="x", rank=0, world_size=1, seq_len=1, micro_batch=1)))
+        ch = grpc.insecure_channel(feeder.address, options=opts)
         stub = pb_grpc.FeederStub(ch)
         list(stub.Stream(pb.StreamRequest(job="warm", rank=0, world_size=64, seq_len=512, micro_batch=4,
                                           num_epochs=1, compression=pb.COMPRESSION_NONE), timeout=60))
@@ -60,6 +67,7 @@ def test_paused_reader_keeps_feeder_memory_within_the_prefetch_budget(big_datase
         st = fetch(feeder.address)
         rank = st.jobs[[j.job for j in st.jobs].index("paused")].ranks[0]
         assert rank.connected and rank.queue_depth <= 8
+        assert next(call).batches  # the same stream goes on after 60 s of keepalive pings and no data
         call.cancel()
         ch.close()
     finally:

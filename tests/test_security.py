@@ -3,6 +3,7 @@ certificates and tokens rotated under a running feeder; plain text only where al
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,9 +48,12 @@ def write_tokens(path, entries):
 def secure_feeder(dataset, pki, tmp_path):
     tokens = tmp_path / "tokens.toml"
     write_tokens(tokens, [("team-a", "tok-a", ["A"]), ("admin", "tok-admin", ["*"])])
-    f = FeederProc(dataset, extra=["--tls-cert", str(pki / "feeder.crt"), "--tls-key", str(pki / "feeder.key"),
-                                   "--tls-client-ca", str(pki / "ca" / "ca.crt"), "--tokens-file", str(tokens)])
-    f.tokens = tokens
+    for ext in ("crt", "key"):  # this feeder's own copy: a test may rotate it
+        shutil.copy(pki / f"feeder.{ext}", tmp_path / f"feeder.{ext}")
+    f = FeederProc(dataset, extra=["--tls-cert", str(tmp_path / "feeder.crt"), "--tls-key", str(tmp_path / "feeder.key"),
+                                   "--tls-client-ca", str(pki / "ca" / "ca.crt"), "--tokens-file", str(tokens),
+                                   "--metrics-port", "0"])
+    f.tokens, f.dir = tokens, tmp_path
     yield f
     f.stop()
 
@@ -163,7 +167,7 @@ def test_tokens_and_certificates_rotate_without_restart(secure_feeder, pki, tmp_
     # Rotate the server certificate to one from a new CA: new connections see the new one.
     certs.make_ca(str(tmp_path / "ca2"))
     crt, key = certs.issue(str(tmp_path / "ca2"), str(tmp_path), "feeder2", ["localhost", "127.0.0.1"])
-    for src, dst in ((key, pki / "feeder.key"), (crt, pki / "feeder.crt")):
+    for src, dst in ((key, secure_feeder.dir / "feeder.key"), (crt, secure_feeder.dir / "feeder.crt")):
         os.replace(src, dst)
     new = sec(pki, token="tok-b", ca=tmp_path / "ca2" / "ca.crt")
     deadline = time.monotonic() + 10
@@ -219,3 +223,19 @@ def test_plain_text_beyond_loopback_needs_insecure(dataset):
     # Loopback stays plain by default (the local-development contract).
     f = FeederProc(dataset)
     f.stop()
+
+
+def test_metrics_port_speaks_https_with_the_feeders_certificate(secure_feeder, pki):
+    import ssl
+    import urllib.request
+
+    url = f"https://{secure_feeder.metrics}/metrics"
+    ctx = ssl.create_default_context(cafile=str(pki / "ca" / "ca.crt"))
+    ctx.load_cert_chain(str(pki / "rank.crt"), str(pki / "rank.key"))  # mutual TLS here too
+    with urllib.request.urlopen(url, context=ctx, timeout=10) as r:
+        assert b"feeder_info" in r.read()
+    bare = ssl.create_default_context(cafile=str(pki / "ca" / "ca.crt"))  # no client certificate
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, context=bare, timeout=10).read()
+    with pytest.raises(OSError):  # plain HTTP to the HTTPS port
+        urllib.request.urlopen(f"http://{secure_feeder.metrics}/metrics", timeout=10).read()

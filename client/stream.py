@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from feeder.config import StreamSpec
-from feeder.errors import Code, FeederError, Unavailable
+from feeder.errors import ELSEWHERE, Code, FeederError, Unavailable
 from feeder.security import ClientSecurity, explain
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
@@ -35,9 +35,6 @@ COMPRESSION = {"": pb.COMPRESSION_UNSPECIFIED, "none": pb.COMPRESSION_NONE, "zst
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.RESOURCE_EXHAUSTED}
-# Refusals that are about this feeder's data (another region's replica, a dataset not served
-# here): the next target may serve; raised once every target has refused.
-REFUSED_HERE = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 PLAIN = ClientSecurity()
 _LOCAL = threading.local()
 
@@ -340,7 +337,7 @@ class FeederClient:
                 if self._stop.is_set():
                     return
                 code = e.code()
-                if code in REFUSED_HERE:
+                if any(k == ELSEWHERE for k, _ in e.trailing_metadata() or ()):
                     # This feeder cannot serve us (another replica, dataset not here); others may.
                     self._refused.setdefault(target, FeederError(f"feeder {target}: {e.details()}",
                                                                  code=CODES.get(code, Code.INTERNAL)))

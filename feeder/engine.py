@@ -15,7 +15,7 @@ import numpy as np
 from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
-from feeder.errors import FailedPrecondition, NotFound, Unavailable
+from feeder.errors import NotFound, Unavailable, WrongReplica
 from feeder.pipeline.batcher import EncodedBatch
 from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
@@ -40,7 +40,7 @@ class Engine:
     def source(self, name: str) -> TokenSource:
         src = self.sources.get(name or self.default)
         if src is None:
-            raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})")
+            raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})", elsewhere=True)
         return src
 
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
@@ -52,7 +52,7 @@ class Engine:
             plan, data = await asyncio.to_thread(src.plan_for, spec, decoded)
         else:
             if spec.expected_fingerprint and spec.expected_fingerprint != src.fingerprint:
-                raise FailedPrecondition(
+                raise WrongReplica(
                     f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
                     f"replica of {src.name!r} (region {self.cfg.region}) has {src.fingerprint}; refusing to serve "
                     "other data")

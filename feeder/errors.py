@@ -16,13 +16,22 @@ class Code(enum.Enum):
     INTERNAL = "internal"                      # our bug, never the caller's mistake
 
 
+# Trailing metadata key on refusals with FeederError.elsewhere set.
+ELSEWHERE = "feeder-elsewhere"
+
+
 class FeederError(Exception):
     code: Code = Code.INTERNAL
+    # True when the refusal is about this feeder's data, not the request: another region's
+    # replica may serve it, so clients move on to their next target (sent as trailing metadata).
+    elsewhere: bool = False
 
-    def __init__(self, message: str, *, code: Code | None = None):
+    def __init__(self, message: str, *, code: Code | None = None, elsewhere: bool | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        if elsewhere is not None:
+            self.elsewhere = elsewhere
 
     @property
     def message(self) -> str:
@@ -39,6 +48,12 @@ class FailedPrecondition(FeederError):
 
 class NotFound(FeederError):
     code = Code.NOT_FOUND
+
+
+class WrongReplica(FailedPrecondition):
+    """This feeder's data is not what the job reads (another fingerprint, topic or epoch)."""
+
+    elsewhere = True
 
 
 class DataLoss(FeederError):

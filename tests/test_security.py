@@ -239,3 +239,34 @@ def test_metrics_port_speaks_https_with_the_feeders_certificate(secure_feeder, p
         urllib.request.urlopen(url, context=bare, timeout=10).read()
     with pytest.raises(OSError):  # plain HTTP to the HTTPS port
         urllib.request.urlopen(f"http://{secure_feeder.metrics}/metrics", timeout=10).read()
+
+
+def test_a_replaced_stream_ends_its_client_instead_of_moving_to_another_region(dataset):
+    """A newer stream of the same (job, rank) ends the older one with FAILED_PRECONDITION: that
+    refusal is about the request, not the replica, so the old client stops (it must not go on
+    to the next region and fight the new one)."""
+    from feeder.errors import NotFound
+    from feeder.status import fetch
+
+    f1, f2 = FeederProc(dataset), FeederProc(dataset)
+    spec = StreamSpec(job="zombie", rank=0, world_size=1, seq_len=SEQ, micro_batch=MB, num_epochs=0)
+    old = FeederClient(ClientConfig(targets=(f1.address, f2.address), spec=spec, prefer="order", read_ahead=1))
+    new = None
+    try:
+        next(old)
+        new = FeederClient(ClientConfig(targets=(f1.address,), spec=spec))
+        next(new)
+        with pytest.raises(FeederError) as e:
+            for _ in range(100_000):
+                next(old)
+        assert e.value.code == Code.FAILED_PRECONDITION and "replaced by a newer stream" in str(e.value)
+        assert old.failovers == 0
+        with pytest.raises(NotFound):
+            fetch(f2.address, "zombie")  # the old client never opened a stream in the other region
+        next(new)  # the new stream is unharmed
+    finally:
+        old.close()
+        if new:
+            new.close()
+        f1.stop()
+        f2.stop()

@@ -71,7 +71,8 @@ class StreamPlan:
             hint = " (set reshard to re-deal the epoch's remaining samples over a new world size)" \
                 if name in ("world_size", "rank") else ""
             raise FailedPrecondition(f"cursor does not fit this stream: {name} differs: the cursor has "
-                                     f"{theirs!r}, the request has {ours!r}{hint}")
+                                     f"{theirs!r}, the request has {ours!r}{hint}",
+                                     elsewhere=name == "dataset fingerprint")  # this replica's data
         if s.reshard:
             base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)

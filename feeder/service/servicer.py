@@ -11,7 +11,7 @@ import grpc
 
 from feeder.config import StreamSpec
 from feeder.engine import Engine
-from feeder.errors import Code, FeederError
+from feeder.errors import ELSEWHERE, Code, FeederError
 from feeder.pipeline.batcher import EncodedBatch
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
@@ -37,7 +37,8 @@ DTYPE_ENUM = {"uint16": pb.DTYPE_UINT16, "uint32": pb.DTYPE_UINT32}
 
 async def _abort(context: grpc.aio.ServicerContext, err: Exception):
     if isinstance(err, FeederError):
-        await context.abort(STATUS[err.code], err.message)
+        await context.abort(STATUS[err.code], err.message,
+                            trailing_metadata=((ELSEWHERE, "1"),) if err.elsewhere else ())
     log.exception("internal error", exc_info=err)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err.__class__.__name__}: {err}")
 

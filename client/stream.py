@@ -185,7 +185,7 @@ class Handoff:
 def rtt_step(rtt_s: float) -> float:
     if rtt_s == float("inf"):
         return rtt_s
-    return math.floor(math.log(max(rtt_s, 1e-3) / 1e-3, 1.5))
+    return math.floor(math.log(max(rtt_s, 2e-3) / 2e-3, 1.5))
 
 
 def measure_rtt(channel: grpc.Channel, probes: int = 3, timeout: float = 3.0) -> float:
@@ -280,6 +280,11 @@ class FeederClient:
             self._q.resize(want)
 
     @property
+    def target(self) -> str:
+        """The feeder this rank streams from now (or will try next)."""
+        return self.targets[self.target_index % len(self.targets)]
+
+    @property
     def read_ahead(self) -> int:
         return self._q.capacity
 
@@ -336,7 +341,7 @@ class FeederClient:
             rtts = list(ex.map(lambda t: measure_rtt(self._channel(t)), self.targets))
         self.rtt_s = dict(zip(self.targets, rtts))
         if self.cfg.prefer == "rtt":
-            # Stable sort on RTT in steps of 1.5x above 1 ms: feeders of one datacenter (or
+            # Stable sort on RTT in steps of 1.5x above 2 ms: feeders of one datacenter (or
             # about equally far) keep the order given, a clearly nearer region goes first.
             self.targets.sort(key=lambda t: rtt_step(self.rtt_s[t]))
         names = dict(zip(self.cfg.targets, self.cfg.regions or self.cfg.targets))

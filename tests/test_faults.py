@@ -38,7 +38,7 @@ def test_rank_fails_over_between_two_feeders_killed_at_20_random_points(two_feed
     for k, b in enumerate(ds):
         got.append(b)
         if kills < len(points) and k == points[kills]:
-            victim = two_feeders[ds.client.target_index % 2]
+            victim = next(f for f in two_feeders if f.address == ds.client.target)
             victim.signal(sig)
             victim.start()  # back for the next failover, on the same address
             kills += 1
@@ -57,11 +57,11 @@ def test_frozen_feeder_is_abandoned_within_the_detection_bound(two_feeders, stre
     for k, b in enumerate(it):
         got.append(b)
         if k == 30:
-            frozen = two_feeders[ds.client.target_index % 2]
+            frozen = next(f for f in two_feeders if f.address == ds.client.target)
             frozen.signal(signal.SIGSTOP)
             t0 = time.monotonic()
             got.append(next(it))  # what was already queued or in flight may come first
-            while ds.client.target_index % 2 == two_feeders.index(frozen):
+            while ds.client.target == frozen.address:
                 got.append(next(it))
             gap = time.monotonic() - t0
             frozen.signal(signal.SIGCONT)  # the old stream is back: it must not deliver anything twice

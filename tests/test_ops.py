@@ -52,8 +52,8 @@ def metered(dataset):
 def test_metrics_move_during_a_live_stream_and_count_a_failover(metered):
     a, b = metered
     assert re.fullmatch(r"127\.0\.0\.1:\d+", a.metrics) and not a.metrics.endswith(":0")
-    ds = FeederDataset([a.address, b.address], job="ops", rank=0, world_size=2, seq_len=32, micro_batch=8,
-                       seed=1, num_epochs=0, read_ahead=2, report_every_s=0.2, retry_for_s=60)
+    ds = FeederDataset([a.address, b.address], prefer="order", job="ops", rank=0, world_size=2, seq_len=32,
+                       micro_batch=8, seed=1, num_epochs=0, read_ahead=2, report_every_s=0.2, retry_for_s=60)
     it = iter(ds)
     for _ in range(20):
         next(it)

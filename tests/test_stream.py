@@ -288,3 +288,22 @@ def test_jobs_without_streams_are_forgotten_after_the_idle_ttl():
     now[0] = 10_000                      # a job with an open stream is never forgotten
     assert jobs.evict_idle() == [] and set(jobs.jobs) == {"b"}
 
+
+def test_read_many_equals_read_across_chunks_and_shards(dataset):
+    """The run reader (one copy per chunk) against the per-sample reader, with samples that
+    cross record-batch and shard boundaries."""
+    from feeder.errors import InvalidArgument
+    from feeder.sources.posix import open_source
+
+    src = open_source(str(dataset))
+    n = 65
+    boundaries = np.asarray(src._starts[1:-1])
+    starts = np.concatenate([np.random.default_rng(0).integers(0, src.n_tokens - n, 500),
+                             boundaries - 3, boundaries])
+    got = src.read_many(starts, n)
+    for i, s in enumerate(starts.tolist()):
+        want = np.empty(n, dtype=src.dtype)
+        src.read(s, want)
+        np.testing.assert_array_equal(got[i], want)
+    with pytest.raises(InvalidArgument):
+        src.read_many(np.array([src.n_tokens - 2]), n)

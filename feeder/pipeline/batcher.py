@@ -4,6 +4,7 @@ Runs on the prefetch threads; numpy copies, crc32c and zstd all release the GIL.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,22 @@ def gather(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
     return out
 
 
+def gather_run(source: TokenSource, run: list[PlannedBatch], seq_len: int) -> list[PlannedBatch]:
+    """The run's batches with their tokens read in one pass over the source (sources with
+    read_many), each charged its share of the read time."""
+    if not hasattr(source, "read_many") or len(run) < 2:
+        return run
+    t0 = time.perf_counter()
+    rows = source.read_many(np.concatenate([p.ids for p in run]) * seq_len, seq_len + 1)
+    share = (time.perf_counter() - t0) / len(run)
+    out, at = [], 0
+    for p in run:
+        k = len(p.ids)
+        out.append(dataclasses.replace(p, tokens=rows[at:at + k], read_s=share))
+        at += k
+    return out
+
+
 _NAMES: dict[np.dtype, str] = {}   # dtype.name is computed on every access (~14 us)
 _CODECS: dict[int, pa.Codec] = {}
 
@@ -58,7 +75,7 @@ def encode(source: TokenSource, planned: PlannedBatch, *, seq_len: int, compress
            secret: bytes) -> EncodedBatch:
     t0 = time.perf_counter()
     tokens = planned.tokens if planned.tokens is not None else gather(source, planned.ids, seq_len)
-    read_s = time.perf_counter() - t0
+    read_s = planned.read_s + time.perf_counter() - t0
     raw = tokens.tobytes()   # google_crc32c takes bytes only; uncompressed, this is the payload itself
     payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw
     return EncodedBatch(epoch=planned.epoch, step=planned.step, n=len(planned.ids), sample_len=seq_len + 1,

@@ -17,13 +17,14 @@ from typing import AsyncIterator, Callable, Iterator
 
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import FailedPrecondition, FeederError, NotFound
-from feeder.pipeline.batcher import EncodedBatch, encode
+from feeder.pipeline.batcher import EncodedBatch, encode, gather_run
 from feeder.pipeline.plan import PlannedBatch, StreamPlan
 from feeder.sources import TokenSource
 
 log = logging.getLogger("feeder.stream")
 _DONE = object()
 MAX_BATCHES_PER_MESSAGE = 256
+RUN_BATCHES = 64             # batches read from the source in one pass
 
 # Upper bounds (seconds) of the source read latency histogram.
 READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -204,6 +205,7 @@ class RankStream:
         self._deferred: FeederError | None = None
         self._producer: asyncio.Task | None = None
         self._cap = 1                # batches allowed in the next message (doubles up to the maximum)
+        self._ready: deque = deque()  # planned batches read ahead in a run, not yet encoded
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
@@ -233,6 +235,29 @@ class RankStream:
                 yield planned
             k += 1
 
+    def _next_planned(self, it: Iterator[PlannedBatch | None], want: int):
+        """The next planned batch. From plain sources a run of up to `want` is read in one pass
+        (one copy per chunk touched instead of a Python call per sample); a run that meets a
+        bad chunk is read batch by batch instead, so the good batches before it still go out."""
+        if self._ready:
+            return self._ready.popleft()
+        first = next(it, _DONE)
+        if want < 2 or first is _DONE or first is None or first.tokens is not None:
+            return first
+        run = [first]
+        while len(run) < want:
+            p = next(it, _DONE)
+            if p is _DONE or p is None or p.tokens is not None:
+                self._ready.append(p)  # after the run, in order
+                break
+            run.append(p)
+        try:
+            run = gather_run(self.source, run, self.spec.seq_len)
+        except FeederError:
+            pass
+        self._ready.extendleft(reversed(run[1:]))
+        return run[0]
+
     def _build_message(self, it: Iterator[PlannedBatch]) -> tuple[list[EncodedBatch], int, bytes] | None:
         """Runs on a pool thread: encode batches until the message is big enough."""
         if self._deferred is not None:
@@ -241,7 +266,7 @@ class RankStream:
         s = self.spec
         while True:
             try:
-                planned = next(it, _DONE)
+                planned = self._next_planned(it, max(1, min(self._cap - len(out), RUN_BATCHES)))
                 if planned is _DONE:
                     break
                 if planned is None:

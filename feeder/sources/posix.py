@@ -46,6 +46,7 @@ class PosixSource:
                 self._where.append((si, ci))
                 starts.append(starts[-1] + chunk.n_tokens)
         self._starts = starts
+        self._starts_np = np.asarray(starts, dtype=np.int64)
         self._lock = threading.Lock()
         self._mapped: dict[int, np.ndarray] = {}     # verified Arrow chunks (views of the map)
         self._readers: dict[int, object] = {}
@@ -81,6 +82,25 @@ class PosixSource:
             out[done:done + take] = arr[off:off + take]
             done += take
             k += 1
+
+    def read_many(self, starts: np.ndarray, n: int) -> np.ndarray:
+        """[len(starts), n] tokens, row i from starts[i]: one copy per chunk touched (the samples
+        of a run of batches that lie in one chunk are cut by a single fancy index) instead of one
+        Python call per sample; the rare sample across a chunk boundary goes through read()."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), n), dtype=self.dtype)
+        if len(starts) and (starts.min() < 0 or starts.max() + n > self.n_tokens):
+            bad = int(starts[(starts < 0) | (starts + n > self.n_tokens)][0])
+            raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {self.n_tokens}")
+        ks = np.searchsorted(self._starts_np, starts, side="right") - 1
+        inside = starts + n <= self._starts_np[ks + 1]
+        for k in np.unique(ks[inside]).tolist():
+            sel = np.flatnonzero(inside & (ks == k))
+            arr = self._chunk(k)
+            out[sel] = np.lib.stride_tricks.sliding_window_view(arr, n)[starts[sel] - self._starts[k]]
+        for i in np.flatnonzero(~inside).tolist():
+            self.read(int(starts[i]), out[i])
+        return out
 
     def _chunk(self, k: int) -> np.ndarray:
         arr = self._mapped.get(k)

@@ -206,6 +206,7 @@ class RankStream:
         self._producer: asyncio.Task | None = None
         self._cap = 1                # batches allowed in the next message (doubles up to the maximum)
         self._ready: deque = deque()  # planned batches read ahead in a run, not yet encoded
+        self._raw_batch_bytes = spec.micro_batch * (spec.seq_len + 1) * source.dtype.itemsize
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
@@ -266,7 +267,10 @@ class RankStream:
         s = self.spec
         while True:
             try:
-                planned = self._next_planned(it, max(1, min(self._cap - len(out), RUN_BATCHES)))
+                # A run reads no more than the rest of this message's bytes (raw), so what is
+                # read ahead per stream stays within about one message.
+                room = max(1, (self.cfg.message_bytes - size) // self._raw_batch_bytes)
+                planned = self._next_planned(it, max(1, min(self._cap - len(out), RUN_BATCHES, room)))
                 if planned is _DONE:
                     break
                 if planned is None:

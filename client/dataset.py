@@ -26,7 +26,8 @@ class FeederDataset(IterableDataset):
                  dataset: str = "", read_ahead: int = 8, idle_timeout_s: float = 30.0, keepalive_s: float = 10.0,
                  retry_for_s: float = 300.0, report_every_s: float = 5.0, bad_records: str = "",
                  prefer: str = "rtt", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = "",
-                 token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64):
+                 token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64,
+                 failback_s: float = 60.0):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -45,7 +46,8 @@ class FeederDataset(IterableDataset):
                                   server_name=tls_server_name)
         self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
                               retry_for_s=retry_for_s, report_every_s=report_every_s, security=security,
-                              regions=regions, prefer=prefer, max_read_ahead=max_read_ahead)
+                              regions=regions, prefer=prefer, max_read_ahead=max_read_ahead,
+                              failback_s=failback_s)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
 

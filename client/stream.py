@@ -74,6 +74,10 @@ class ClientConfig:
     keepalive_timeout_s: float = 5.0
     retry_for_s: float = 300.0        # give up after failing this long without a batch
     report_every_s: float = 5.0
+    # After a failover, look this often for a more preferred feeder that answers again, and
+    # move back to it (resuming from the cursor): a rank does not stay on a far region for
+    # weeks because its own region once restarted. 0: never.
+    failback_s: float = 60.0
     security: ClientSecurity = PLAIN  # TLS, client certificate, bearer token
     regions: tuple[str, ...] = ()     # names of targets, in the same order (for logs; the feeder says too)
     prefer: str = "rtt"               # "rtt": nearest first (measured); "order": as given
@@ -220,6 +224,9 @@ class FeederClient:
         self._refused: dict[str, FeederError] = {}
         self._step_ema: float | None = None
         self._taken = 0
+        self.failbacks = 0
+        self._failback: int | None = None   # index of the nearer target to move back to
+        self._failback_checked = time.monotonic()
         self.wait_s = 0.0                 # time the consumer spent waiting in __next__
         self._q = Handoff(cfg.read_ahead)
         self._stop = threading.Event()
@@ -394,6 +401,12 @@ class FeederClient:
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
+                if self._failback is not None:  # ended by us, to move back to a nearer feeder
+                    log.info("rank %d: %s answers again; moving back to it from %s", self.cfg.spec.rank,
+                             targets[self._failback], target)
+                    self.target_index, self._failback = self._failback, None
+                    self.failbacks += 1
+                    continue
                 code = e.code()
                 if any(k == ELSEWHERE for k, _ in e.trailing_metadata() or ()):
                     # This feeder cannot serve us (another replica, dataset not here); others may.
@@ -445,12 +458,32 @@ class FeederClient:
         while not self._stop.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s)):
             if self._stub is not None:
                 self._maybe_report(self._stub)
+            self._maybe_fail_back()
             since = self._waiting_since
             if since is not None and time.monotonic() - since > self.cfg.idle_timeout_s:
                 with self._lock:
                     if self._call is not None and self._waiting_since == since:
                         self._idle_cancelled = True
                         self._call.cancel()
+
+    def _maybe_fail_back(self) -> None:
+        """On a less preferred target, every failback_s: if a more preferred one answers its
+        health check, end the current stream so the reader reopens there from the cursor."""
+        if not self.cfg.failback_s or self._failback is not None:
+            return
+        now = time.monotonic()
+        current = self.target_index % len(self.targets)
+        if current == 0 or now - self._failback_checked < self.cfg.failback_s:
+            return
+        self._failback_checked = now
+        for i in range(current):
+            t = self.targets[i]
+            if t not in self._refused and measure_rtt(self._channel(t), probes=2, timeout=2.0) != float("inf"):
+                with self._lock:
+                    if self._call is not None and self.target_index % len(self.targets) == current:
+                        self._failback = i
+                        self._call.cancel()
+                return
 
     def _maybe_report(self, stub) -> None:
         with self._report_lock:

@@ -3,6 +3,7 @@ user-space proxy where Go is absent). Data-wait is measured the way a trainer fe
 spent in next() between steps, after the first batch."""
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -188,3 +189,41 @@ def test_the_nearest_region_feeds_the_rank_unless_the_order_is_asked_for(wan_dat
     finally:
         for f in feeders.values():
             f.stop()
+
+
+def test_a_rank_moves_back_to_its_own_region_once_it_answers_again(wan_dataset, wan_stream, proxies):
+    """After a failover to a far region, the rank returns to its own region when that one is
+    back (failback), resuming exactly from its cursor both times."""
+    near = FeederProc(wan_dataset, extra=["--region", "near"])
+    far_feeder = FeederProc(wan_dataset, extra=["--region", "far"])
+    far = proxies.proxy(far_feeder.address)
+    far.latency(60)
+    try:
+        seq_len, mb, seed = 256, 8, 9
+        ds = FeederDataset({"near": near.address, "far": far.listen}, job="failback", rank=0, world_size=1,
+                           seq_len=seq_len, micro_batch=mb, seed=seed, num_epochs=0, read_ahead=4,
+                           failback_s=1.0, retry_for_s=60)
+        got, marks = [], []
+        deadline = time.monotonic() + 60
+        for k, b in enumerate(ds):
+            got.append(b)
+            time.sleep(0.002)
+            if time.monotonic() > deadline:
+                break
+            if k == 50:
+                near.signal(signal.SIGKILL)  # the rank's own region goes down...
+                marks.append(("killed", k))
+            if len(marks) == 1 and b.region == "far":
+                near.start()  # ...and comes back on the same address
+                marks.append(("restarted", k))
+            if len(marks) == 2 and b.region == "near":
+                marks.append(("back", k))
+            if len(marks) == 3 and k > marks[2][1] + 50:
+                break
+        ds.client.close()
+        assert [m[0] for m in marks] == ["killed", "restarted", "back"], marks
+        assert ds.client.failovers >= 1 and ds.client.failbacks == 1
+        check_prefix(got, wan_stream, seq_len, 0, 1, seed)
+    finally:
+        near.stop()
+        far_feeder.stop()

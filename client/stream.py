@@ -145,9 +145,6 @@ class Handoff:
         self.items: deque = deque()
         self.cv = threading.Condition()
 
-    def room(self) -> int:
-        return self.capacity - len(self.items)
-
     def put_many(self, items: list, stop: threading.Event) -> bool:
         i = 0
         with self.cv:

@@ -253,14 +253,13 @@ class FeederClient:
         t1 = time.monotonic()
         self.wait_s += t1 - t0
         if self._last_next is not None:
+            step = t1 - self._last_next
             with self._report_lock:
                 r = self._report
                 r[0] += t1 - t0
-                r[1] += t1 - self._last_next
+                r[1] += step
                 r[2] += 1
-        if self._last_next is not None:
-            dt = t1 - self._last_next
-            self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
+            self._step_ema = step if self._step_ema is None else 0.8 * self._step_ema + 0.2 * step
         self._last_next = t1
         self._taken += 1
         if self._taken % 8 == 0:
@@ -276,7 +275,7 @@ class FeederClient:
         """Enough batches in hand to ride out 2.5 round trips (a reopened stream, jitter, a slow
         message) at the rate the loop takes them: a far region then feeds as if it were near.
         On a near link this stays at read_ahead: a deeper queue only costs cache and memory."""
-        step, rtt = self._step_ema, self.rtt_s.get(self.targets[self.target_index % len(self.targets)], 0.0)
+        step, rtt = self._step_ema, self.rtt_s.get(self.target, 0.0)
         if not step or rtt == float("inf"):
             return
         want = min(self.cfg.max_read_ahead, max(self.cfg.read_ahead, int(2.5 * rtt / max(step, 1e-5)) + 2))

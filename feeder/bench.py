@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from feeder import __version__
+from feeder.net import free_port
 
 CLIENT_PROCS = 2
 
@@ -197,7 +198,7 @@ def raw_grpc_mb_s(seconds: float, size: int) -> float:
 
 class Feeder:
     def __init__(self, source: str, port: int = 0, *, message_bytes: int, extra=()):
-        port = port or _free_port()
+        port = port or free_port()
         self.address = f"127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "feeder.cli", "serve", "--source", source, "--listen", self.address,
@@ -218,12 +219,6 @@ class Feeder:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _drive(args) -> dict:
@@ -660,7 +655,7 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         feeders.remove(f)
 
         say("scaling: 1 and 2 feeder processes on one port (SO_REUSEPORT)")
-        port = _free_port()
+        port = free_port()
         one = Feeder(data["shards"], port, message_bytes=cfg.message_bytes)
         feeders.append(one)
         # What the feeders serve (counting clients, as for the ceilings), and what ranks that

@@ -89,13 +89,14 @@ def serve_config(args):
             raise InvalidArgument(f"cannot read the cursor secret {secret_file}: {e.strerror}") from None
     else:
         values["cursor_secret"] = os.environ.get("FEEDER_CURSOR_SECRET", "").encode()
-    if args.metrics_port is not None:
-        host = args.metrics_host or values.get("listen", "127.0.0.1:7070").rpartition(":")[0]
-        values["metrics_listen"] = f"{host}:{args.metrics_port}"
     if "source" not in values:
         raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... or a --config region file with "
                               "source = ...")
-    return ServeConfig(**values)
+    cfg = ServeConfig(**values)
+    if args.metrics_port is not None:  # on the listen host unless told otherwise
+        host = args.metrics_host or cfg.listen.rpartition(":")[0]
+        cfg = cfg.replace(metrics_listen=f"{host}:{args.metrics_port}")
+    return cfg
 
 
 def cmd_serve(args) -> int:

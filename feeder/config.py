@@ -143,7 +143,7 @@ class ServeConfig:
         if not isinstance(self.peers, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p) for p in self.peers):
             raise InvalidArgument(f"peers must be (region, HOST:PORT) pairs, got {self.peers!r}")
-        from feeder.security import is_loopback
+        from feeder.net import is_loopback
 
         for what, address in (("listen", self.listen), ("metrics_listen", self.metrics_listen)):
             if address and not self.tls_cert and not self.insecure and not is_loopback(address.rpartition(":")[0]):

@@ -8,7 +8,6 @@ streams keep the identity they were admitted with.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 import os
 import secrets
@@ -27,16 +26,6 @@ ALL_JOBS = "*"
 # health and reflection stay open for probes and load balancers.
 FEEDER_SERVICE = "/feeder.v1.Feeder/"
 JOB_SCOPED = ("Stream", "Report", "Status")
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def token_hash(token: str) -> str:
@@ -66,6 +55,30 @@ def _mtimes(paths) -> tuple:
     return tuple(out)
 
 
+class FileWatch:
+    """Whether files changed (mtime, size, inode) since the last accepted look, looked at no
+    more than once a second, so a check per handshake or per call costs nothing."""
+
+    def __init__(self, paths, every_s: float = 1.0):
+        self.paths, self.every_s = tuple(paths), every_s
+        self._seen = _mtimes(self.paths)
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    def changed(self) -> tuple | None:
+        """The files' new stamp when they changed (pass it to accept), else None."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked < self.every_s:
+                return None
+            self._checked = now
+            seen = _mtimes(self.paths)
+            return None if seen == self._seen else seen
+
+    def accept(self, stamp: tuple) -> None:
+        self._seen = stamp
+
+
 # ---- server: TLS ------------------------------------------------------------------------
 
 class ReloadingCertificates:
@@ -73,12 +86,8 @@ class ReloadingCertificates:
     `fetch` at each new handshake; returning None keeps the current configuration."""
 
     def __init__(self, cert: str, key: str, client_ca: str = ""):
-        self.paths = tuple(p for p in (cert, key, client_ca) if p)
         self.cert, self.key, self.client_ca = cert, key, client_ca
-        self._seen = _mtimes(self.paths)
-        self._lock = threading.Lock()
-        self._checked = 0.0
-        self.reloads = 0
+        self.watch = FileWatch(p for p in (cert, key, client_ca) if p)
         self.initial = self._config()
 
     def _config(self):
@@ -87,23 +96,17 @@ class ReloadingCertificates:
         return grpc.ssl_server_certificate_configuration(pairs, root_certificates=ca)
 
     def fetch(self):
-        now = time.monotonic()
-        with self._lock:
-            if now - self._checked < 1.0:
-                return None
-            self._checked = now
-            seen = _mtimes(self.paths)
-            if seen == self._seen:
-                return None
-            try:
-                cfg = self._config()
-            except Exception as e:  # a half-written rotation: keep serving with what works
-                log.warning("certificate reload failed, keeping the current one: %s", e)
-                return None
-            self._seen = seen
-            self.reloads += 1
-            log.info("reloaded TLS material (%s)", ", ".join(self.paths))
-            return cfg
+        stamp = self.watch.changed()
+        if stamp is None:
+            return None
+        try:
+            cfg = self._config()
+        except Exception as e:  # a half-written rotation: keep serving with what works, look again
+            log.warning("certificate reload failed, keeping the current one: %s", e)
+            return None
+        self.watch.accept(stamp)
+        log.info("reloaded TLS material (%s)", ", ".join(self.watch.paths))
+        return cfg
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(self.initial, self.fetch,
@@ -128,11 +131,8 @@ class TokenStore:
 
     def __init__(self, path: str):
         self.path = path
-        self._seen = None
-        self._checked = 0.0
-        self._lock = threading.Lock()
         self.grants: dict[str, Grant] = self._load()
-        self._seen = _mtimes([path])
+        self.watch = FileWatch([path])
 
     def _load(self) -> dict[str, Grant]:
         from feeder.regions import load_toml
@@ -160,20 +160,15 @@ class TokenStore:
         return grants
 
     def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < 1.0:
+        stamp = self.watch.changed()
+        if stamp is None:
             return
-        with self._lock:
-            self._checked = now
-            seen = _mtimes([self.path])
-            if seen == self._seen:
-                return
-            try:
-                self.grants = self._load()
-                log.info("reloaded %d token(s) from %s", len(self.grants), self.path)
-            except FeederError as e:
-                log.warning("tokens file reload failed, keeping the last good set: %s", e)
-            self._seen = seen
+        self.watch.accept(stamp)  # a broken edit is not parsed again until the next change
+        try:
+            self.grants = self._load()
+            log.info("reloaded %d token(s) from %s", len(self.grants), self.path)
+        except FeederError as e:
+            log.warning("tokens file reload failed, keeping the last good set: %s", e)
 
     def lookup(self, token: str) -> Grant | None:
         self._maybe_reload()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 from torch.utils.data import DistributedSampler
+
+from feeder.net import free_port
 
 WORDS = ("the feeder streams packed token batches to every rank über données 数据 ✓ "
          "def main(): return 0 # comment\n").split(" ")
@@ -73,12 +74,6 @@ def check_batches(batches, stream: np.ndarray, seq_len: int, want: list[int]) ->
     for b in batches:
         for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
             np.testing.assert_array_equal(row, sample(stream, i, seq_len))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FeederProc:

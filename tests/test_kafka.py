@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 
 from client import FeederDataset
-from feeder.config import PrepConfig, ServeConfig
+from feeder.config import ServeConfig
 from feeder.errors import FeederError
-from feeder.prep import prep
 from feeder.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder.sources.kafka import encode_record
-from tests.helpers import FeederProc, byte_stream, make_docs, reference_ids, sample, write_jsonl
+from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs, reference_ids, sample, write_jsonl
 
 pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +51,7 @@ def bounded_topic(kafka_broker, tmp_path_factory):
     topic = publish(kafka_broker, docs, tmp, topic_name("bounded"))
     # The equivalent file dataset: the same documents in (partition, offset) order.
     ordered = [docs[i] for p in range(3) for i in range(p, len(docs), 3)]
-    prep(PrepConfig(inputs=(str(write_jsonl(tmp / "ordered.jsonl", ordered)),), out=str(tmp / "files"),
-                    chunk_tokens=900, shard_tokens=4000, workers=1, progress=False))
+    prep_docs(tmp, ordered, chunk_tokens=900, shard_tokens=4000)
     return topic, docs, ordered, tmp
 
 
@@ -65,7 +63,7 @@ def test_bounded_epoch_is_distributed_sampler_over_the_file_equivalent(kafka_bro
     n = n_samples(len(stream), seq_len)
     spool = tmp / f"spool-{world}"
     with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?spool={spool}", listen="127.0.0.1:0")) as kf, \
-            ServerThread(ServeConfig(source=str(tmp / "files"), listen="127.0.0.1:0")) as ff:
+            ServerThread(ServeConfig(source=str(tmp / "shards"), listen="127.0.0.1:0")) as ff:
         for rank in range(world):
             common = dict(job=f"b{world}", rank=rank, world_size=world, seq_len=seq_len, micro_batch=4, seed=seed,
                           num_epochs=2)

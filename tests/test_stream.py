@@ -140,13 +140,9 @@ def test_foreign_cursor_is_refused_naming_the_field(feeder, field, change, words
 
 
 def test_cursor_from_another_dataset_is_refused(feeder, tmp_path, docs):
-    from feeder.config import PrepConfig
-    from feeder.prep import prep
-    from tests.helpers import write_jsonl
+    from tests.helpers import prep_docs
 
-    other = tmp_path / "other"
-    prep(PrepConfig(inputs=(str(write_jsonl(tmp_path / "d.jsonl", docs[::-1])),), out=str(other), workers=1,
-                    progress=False))
+    other = prep_docs(tmp_path, docs[::-1])
     kw = dict(job="ds", rank=0, world_size=1, seq_len=16, micro_batch=4, num_epochs=1)
     first = next(iter(FeederDataset([feeder.address], **kw)))
     with ServerThread(ServeConfig(source=str(other), listen="127.0.0.1:0")) as srv2:

@@ -19,6 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from feeder.net import free_port
+
 TOXIPROXY_VERSION = "v2.12.0"
 TOXIPROXY_BIN = Path(os.environ.get("TOXIPROXY_SERVER", Path.home() / ".cache" / "feeder" / "toxiproxy" / "server"))
 
@@ -42,9 +44,7 @@ class Toxiproxy:
     kind = "toxiproxy"
 
     def __init__(self, binary: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.proc = subprocess.Popen([str(binary), "-host", "127.0.0.1", "-port", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20

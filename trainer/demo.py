@@ -9,22 +9,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from feeder.corpus import build_corpus
+from feeder.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "demo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

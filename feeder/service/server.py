@@ -85,7 +85,7 @@ class Server:
             self.certificates = ReloadingCertificates(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
             self.port = self.server.add_secure_port(cfg.listen, self.certificates.credentials())
         else:
-            from feeder.security import is_loopback
+            from feeder.net import is_loopback
 
             if not is_loopback(cfg.listen.rpartition(":")[0]):
                 log.warning("serving PLAIN TEXT on %s (--insecure): tokens, cursors and data cross the network "

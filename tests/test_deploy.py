@@ -181,3 +181,19 @@ def test_systemd_units(monkeypatch):
     timer = unit(DEPLOY / "systemd" / "feeder-health@.timer")
     assert timer["Timer"]["Unit"] == "feeder-health@%i.service"
     assert "lfs setstripe" in (DEPLOY / "systemd" / "LUSTRE.md").read_text()
+
+
+def test_the_test_broker_never_draws_a_cluster_id_its_storage_tool_takes_for_an_option(monkeypatch):
+    # One url-safe base64 id in 64 starts with '-'; the storage tool then failed with
+    # "--cluster-id: expected one argument" and took the whole suite down with it.
+    import importlib.util
+    import uuid
+
+    spec = importlib.util.spec_from_file_location("broker", DEPLOY / "kafka" / "broker.py")
+    broker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(broker)
+    draws = iter([uuid.UUID(bytes=b"\xf8" + bytes(15)), uuid.UUID(bytes=b"\x07" * 16)])
+    monkeypatch.setattr(broker.uuid, "uuid4", lambda: next(draws))
+    cluster = broker._cluster_id()
+    assert not cluster.startswith("-") and len(cluster) == 22
+    assert next(draws, None) is None  # the first, dashed draw was thrown away

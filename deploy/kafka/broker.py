@@ -107,6 +107,19 @@ def _ready(port: int) -> bool:
         return False
 
 
+
+def _cluster_id() -> str:
+    """A random Kafka cluster id, as Kafka's own Uuid.randomUuid makes it.
+
+    The id is url-safe base64, so one in 64 starts with '-', and the storage tool's argument
+    parser then takes it for an option ("--cluster-id: expected one argument"). Kafka draws
+    again in that case; so do we.
+    """
+    while True:
+        cluster = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster.startswith("-"):
+            return cluster
+
 def start(port: int, fresh: bool = True, timeout: float = 90.0) -> None:
     if _pid() is not None:
         print(f"kafka: already running (pid {_pid()}) on 127.0.0.1:{(STATE / 'port').read_text()}")
@@ -128,7 +141,7 @@ def start(port: int, fresh: bool = True, timeout: float = 90.0) -> None:
     jvm = [java, "-Xms256m", "-Xmx768m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
            f"-Dlog4j.configuration=file:{STATE / 'log4j.properties'}", "-cp", cp]
     if not (data / "meta.properties").exists():
-        cluster = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster = _cluster_id()
         r = subprocess.run(jvm + ["kafka.tools.StorageTool", "format", "-t", cluster, "-c", str(props)],
                            stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env)
         if r.returncode:

@@ -1,5 +1,7 @@
 """Build hooks: generate the gRPC code from protos/ at build and install time, and build the
-small optional C shuffle (feeder/_shuffle.c; without a compiler the feeder uses torch's)."""
+small optional C parts: the shuffle (feeder/_shuffle.c; without a compiler the feeder uses
+torch's), and the token gather and reply writer (feeder/_native.c; without it, numpy and the
+Python writer in service/wire.py)."""
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
@@ -17,4 +19,6 @@ class BuildWithProtos(build_py):
 
 
 setup(cmdclass={"build_py": BuildWithProtos},
-      ext_modules=[Extension("feeder._shuffle", ["feeder/_shuffle.c"], optional=True)])
+      ext_modules=[Extension("feeder._shuffle", ["feeder/_shuffle.c"], optional=True),
+                   Extension("feeder._native", ["feeder/_native.c"], optional=True,
+                             extra_compile_args=["-O3"])])

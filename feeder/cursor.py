@@ -7,6 +7,7 @@ verification; the fields then let the feeder say precisely which one does not ma
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import struct
@@ -22,6 +23,8 @@ MAC_LEN = 16
 DEV_SECRET = b"feeder-development-secret-not-for-production"
 
 _FIXED = struct.Struct(">QBBIIIIQQQ")  # seed flags seq_len world rank epoch base pos step
+_HEAD = struct.Struct(">QBBIII")        # the part of _FIXED a stream keeps: seed .. rank
+_TAIL = struct.Struct(">IQQQ")          # and the part each batch moves: epoch base pos step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,17 +43,20 @@ class Cursor:
     step: int      # batches already delivered in this epoch
     src: str = ""  # source position the sampler cannot derive: Kafka offset ranges / offsets
 
-    def encode(self, secret: bytes) -> bytes:
+    def head(self) -> bytes:
+        """Everything before (epoch, base, pos, step): the same for every batch of a stream segment."""
         job = self.job.encode()
         fp = self.fingerprint.encode()
         src = self.src.encode()
         flags = (1 if self.shuffle else 0) | (2 if self.drop_last else 0)
-        body = b"".join([
+        return b"".join([
             MAGIC, bytes([VERSION, KIND_SAMPLED]),
             struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp, struct.pack(">I", len(src)), src,
-            _FIXED.pack(self.seed, flags, 0, self.seq_len, self.world_size, self.rank,
-                        self.epoch, self.base, self.pos, self.step),
+            _HEAD.pack(self.seed, flags, 0, self.seq_len, self.world_size, self.rank),
         ])
+
+    def encode(self, secret: bytes) -> bytes:
+        body = self.head() + _TAIL.pack(self.epoch, self.base, self.pos, self.step)
         return body + _mac(secret, body)
 
     @classmethod
@@ -89,4 +95,41 @@ class Cursor:
 
 
 def _mac(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret or DEV_SECRET, body, hashlib.sha256).digest()[:MAC_LEN]
+    return hmac.digest(secret or DEV_SECRET, body, "sha256")[:MAC_LEN]
+
+
+class CursorWriter:
+    """The cursors of one stream's batches, ~1.5 us each instead of ~10 (a feeder writes one
+    per batch, all under one GIL).
+
+    Only (epoch, base, pos, step) move from batch to batch, so the head is packed once per
+    segment, and HMAC-SHA256 is run from its two precomputed pads (RFC 2104): the inner hash of
+    key^ipad + head is copied and fed the tail, the outer one the inner digest. The bytes equal
+    Cursor.encode's (tests/test_cursor.py)."""
+
+    def __init__(self, template: Cursor, secret: bytes):
+        self.template = template
+        key = secret or DEV_SECRET
+        if len(key) > 64:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(64, b"\0")
+        self._ipad = bytes(b ^ 0x36 for b in key)
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+        self._heads: dict[int, tuple[bytes, "hashlib._Hash"]] = {}   # world size -> head, inner hash
+
+    def many(self, *, world: int, epoch: int, base: int, stops, first_step: int) -> list[bytes]:
+        """Cursors after each batch of a run: positions `stops`, steps first_step + 1, + 2, ..."""
+        got = self._heads.get(world)
+        if got is None:
+            head = dataclasses.replace(self.template, world_size=world).head()
+            got = self._heads[world] = (head, hashlib.sha256(self._ipad + head))
+        head, inner = got
+        pack, outer, out = _TAIL.pack, self._outer, []
+        for j, pos in enumerate(stops):
+            tail = pack(epoch, base, pos, first_step + j + 1)
+            i = inner.copy()
+            i.update(tail)
+            o = outer.copy()
+            o.update(i.digest())
+            out.append(head + tail + o.digest()[:MAC_LEN])
+        return out

@@ -10,13 +10,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import numpy as np
 
 from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
 from feeder.errors import NotFound, Unavailable, WrongReplica
-from feeder.pipeline.batcher import EncodedBatch
+from feeder.pipeline.batcher import Block
 from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.sources import TokenSource
@@ -26,9 +25,9 @@ log = logging.getLogger("feeder.engine")
 
 class Engine:
     def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource],
-                 serialize: Callable[[list[EncodedBatch]], bytes]):
+                 serialize: Callable[[Block], bytes]):
         self.cfg = cfg
-        self.serialize = serialize   # list[EncodedBatch] -> wire bytes, run on the pool threads
+        self.serialize = serialize   # Block -> wire bytes, run on the pool threads
         self.sources = sources
         self.default = next(iter(sources))
         self.jobs = Jobs()
@@ -73,13 +72,15 @@ class Engine:
                  " (failover)" if failover else "")
         return stream
 
-    def delivered(self, stream: RankStream, batches) -> None:
+    def delivered(self, stream: RankStream, block: Block) -> None:
         """Visitation ledger: (job, epoch, world, rank, step, ids) per batch handed to gRPC."""
         if self.ledger:
             s = stream.spec
+            bounds = block.bounds()
             self.ledger.write("".join(json.dumps({
-                "job": s.job, "epoch": b.epoch, "world": s.world_size, "rank": s.rank, "step": b.step,
-                "ids": np.frombuffer(b.sample_ids, dtype="<i8").tolist()}) + "\n" for b in batches))
+                "job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
+                "step": int(block.steps[j]), "ids": block.ids[bounds[j]:bounds[j + 1]].tolist()}) + "\n"
+                for j in range(len(block))))
 
     def close_stream(self, stream: RankStream, reason: str) -> None:
         self.jobs.detach(stream.spec, stream)

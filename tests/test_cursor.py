@@ -26,3 +26,18 @@ def test_tampered_cursor_is_refused(mutate):
 def test_cursor_from_another_deployment_is_refused():
     with pytest.raises(FailedPrecondition, match="another cursor secret"):
         Cursor.decode(C.encode(b"secret-a"), b"secret-b")
+
+
+@pytest.mark.parametrize("secret", [b"", b"k", b"x" * 100])   # the dev secret, short, longer than a block
+def test_cursor_writer_writes_what_encode_writes(secret):
+    import dataclasses
+
+    from feeder.cursor import CursorWriter
+
+    w = CursorWriter(dataclasses.replace(C, src="topic:0-9"), secret)
+    for world in (4, 3, 4):   # a segment re-dealt to 3 ranks, and back: one head per world size
+        got = w.many(world=world, epoch=7, base=9, stops=[8, 16, 19], first_step=10)
+        want = [dataclasses.replace(C, src="topic:0-9", world_size=world, epoch=7, base=9, pos=pos, step=step)
+                .encode(secret) for pos, step in ((8, 11), (16, 12), (19, 13))]
+        assert got == want
+        assert Cursor.decode(got[-1], secret).pos == 19

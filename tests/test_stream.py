@@ -296,10 +296,49 @@ def test_read_many_equals_read_across_chunks_and_shards(dataset):
     boundaries = np.asarray(src._starts[1:-1])
     starts = np.concatenate([np.random.default_rng(0).integers(0, src.n_tokens - n, 500),
                              boundaries - 3, boundaries])
-    got = src.read_many(starts, n)
-    for i, s in enumerate(starts.tolist()):
-        want = np.empty(n, dtype=src.dtype)
-        src.read(s, want)
-        np.testing.assert_array_equal(got[i], want)
+    # ... and a run whose first and last samples share a chunk and whose middle one does not.
+    sandwich = np.array([1, src._starts[1] + 1, 2])
+    for starts in (starts, sandwich):
+        got = src.read_many(starts, n)
+        for i, s in enumerate(starts.tolist()):
+            want = np.empty(n, dtype=src.dtype)
+            src.read(s, want)
+            np.testing.assert_array_equal(got[i], want)
     with pytest.raises(InvalidArgument):
         src.read_many(np.array([src.n_tokens - 2]), n)
+
+
+@pytest.mark.parametrize("world,rank,mb,drop_last,compression", [(3, 1, 7, False, "none"), (4, 0, 8, True, "zstd"),
+                                                                   (1, 0, 5, False, "none")])
+def test_fast_path_frames_exactly_what_the_batch_by_batch_path_frames(dataset, world, rank, mb, drop_last,
+                                                                         compression):
+    """Runs planned column-wise (the fast path) against batches planned one by one, over two
+    epochs with a short last batch: the same reply bytes, batch for batch."""
+    import dataclasses
+
+    from feeder import sampler
+    from feeder.config import StreamSpec
+    from feeder.cursor import CursorWriter
+    from feeder.pipeline.batcher import block_from_batches, block_from_runs
+    from feeder.pipeline.plan import StreamPlan
+    from feeder.service.wire import encode_reply
+    from feeder.sources.posix import open_source
+
+    src = open_source(str(dataset))
+    spec = StreamSpec(job="j", rank=rank, world_size=world, seq_len=64, micro_batch=mb, num_epochs=2,
+                      drop_last=drop_last, compression=compression)
+    plan = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=None)
+    while sampler.per_rank(plan.n, world, drop_last) % spec.micro_batch == 0:   # want a short last batch
+        spec = dataclasses.replace(spec, micro_batch=spec.micro_batch + 1)
+        plan = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=None)
+    runs = list(plan.runs(5))
+    batches = list(plan.batches())
+    assert sum(map(len, runs)) == len(batches) and {r.epoch for r in runs} == {0, 1}
+    assert any(len(b.ids) < spec.micro_batch for b in batches)
+    fast = block_from_runs(src, runs, seq_len=64, compression=compression, level=3,
+                           cursors=CursorWriter(plan.cursor_template(), b"s"))
+    slow = block_from_batches(src, batches, seq_len=64, compression=compression, level=3, secret=b"s")
+    assert encode_reply(fast, "r") == encode_reply(slow, "r")
+    # and split at every point a message may cut a run
+    head, tail = runs[0].split(2)
+    assert list(head.stops) + list(tail.stops) == list(runs[0].stops) and tail.step == runs[0].step + 2

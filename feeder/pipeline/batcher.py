@@ -1,6 +1,10 @@
-"""Planned batch -> encoded batch: gather samples from the source, narrow, checksum, compress.
+"""Planned batches -> a Block: their tokens gathered from the source in one pass, cursors
+written, payloads compressed. One Block is what one reply carries.
 
-Runs on the prefetch threads; numpy copies, crc32c and zstd all release the GIL.
+Runs on the prefetch threads; the numpy copies, zstd and (in the wire writer) crc32c release
+the GIL. A feeder process serves every rank from one GIL, so the work here is done per block
+(a fancy-index copy per chunk touched, a vectorized plan, precomputed cursor heads) rather
+than per batch or per sample.
 """
 from __future__ import annotations
 
@@ -8,55 +12,57 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import google_crc32c
 import numpy as np
 import pyarrow as pa
 
-from feeder.pipeline.plan import PlannedBatch
+from feeder.cursor import CursorWriter
+from feeder.pipeline.plan import PlannedBatch, PlannedRun
 from feeder.sources import TokenSource
 
 
 @dataclass(frozen=True, slots=True)
-class EncodedBatch:
-    epoch: int
-    step: int
-    n: int
+class Block:
+    """Consecutive batches of one stream, column-wise."""
+    epochs: np.ndarray           # int64 [k]
+    steps: np.ndarray            # int64 [k]
+    counts: np.ndarray           # int64 [k]: samples in each batch
+    ids: np.ndarray              # int64 [sum(counts)]
+    tokens: np.ndarray | None    # [sum(counts), sample_len] in the source's (narrow) dtype, C-contiguous
+    cursors: list[bytes]         # resume right after each batch
+    payloads: list[bytes] | None  # each batch's tokens compressed; None: the raw tokens are the payload
+    dtype: str                   # "uint16" | "uint32"
+    compression: str             # "none" | "zstd"
     sample_len: int
-    dtype: str             # "uint16" | "uint32"
-    compression: str       # "none" | "zstd"
-    tokens: bytes
-    sample_ids: bytes      # little-endian int64
-    cursor: bytes
-    raw_size: int
-    crc32c: int
-    read_s: float = 0.0    # time spent reading the source
+    samples_in_epoch: int        # the rank's total for the last batch's epoch (for progress)
+    raw_bytes: int               # of the tokens
+    payload_bytes: int           # on the wire: raw_bytes, or the compressed size
+    read_s: float = 0.0          # time spent reading the source for the whole block
+
+    def __len__(self) -> int:
+        return len(self.counts)
 
     @property
-    def wire_bytes(self) -> int:
-        return len(self.tokens) + len(self.sample_ids) + len(self.cursor) + 32
+    def n_tokens(self) -> int:
+        return int(self.counts.sum()) * self.sample_len
+
+    def framed(self) -> "Block":
+        """This block without its tokens and payloads, once they are in the reply's bytes: a
+        queued message then holds its memory once, not twice."""
+        return dataclasses.replace(self, tokens=None, payloads=None)
+
+    def bounds(self) -> list[int]:
+        """Row offsets of the batches in tokens/ids: batch j is rows [bounds[j], bounds[j + 1])."""
+        return [0, *np.cumsum(self.counts).tolist()]
 
 
-def gather(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """[k, seq_len + 1] tokens in the source's (narrow) dtype; sample i starts at i * seq_len."""
+def read_tokens(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """[len(ids), seq_len + 1] tokens; sample i starts at token i * seq_len. Sources with
+    read_many cut them with one copy per chunk touched, others are read sample by sample."""
+    if hasattr(source, "read_many"):
+        return source.read_many(ids * seq_len, seq_len + 1)
     out = np.empty((len(ids), seq_len + 1), dtype=source.dtype)
     for row, sample in zip(out, ids.tolist()):
         source.read(sample * seq_len, row)
-    return out
-
-
-def gather_run(source: TokenSource, run: list[PlannedBatch], seq_len: int) -> list[PlannedBatch]:
-    """The run's batches with their tokens read in one pass over the source (sources with
-    read_many), each charged its share of the read time."""
-    if not hasattr(source, "read_many") or len(run) < 2:
-        return run
-    t0 = time.perf_counter()
-    rows = source.read_many(np.concatenate([p.ids for p in run]) * seq_len, seq_len + 1)
-    share = (time.perf_counter() - t0) / len(run)
-    out, at = [], 0
-    for p in run:
-        k = len(p.ids)
-        out.append(dataclasses.replace(p, tokens=rows[at:at + k], read_s=share))
-        at += k
     return out
 
 
@@ -71,15 +77,60 @@ def _zstd(level: int) -> pa.Codec:
     return codec
 
 
-def encode(source: TokenSource, planned: PlannedBatch, *, seq_len: int, compression: str, level: int,
-           secret: bytes) -> EncodedBatch:
+def _block(tokens: np.ndarray, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
+           samples_in_epoch: int, read_s: float) -> Block:
+    tokens = np.ascontiguousarray(tokens)
+    payloads = None
+    if compression == "zstd":
+        codec, at = _zstd(level), 0
+        payloads = []
+        for k in counts.tolist():
+            payloads.append(codec.compress(tokens[at:at + k], asbytes=True))
+            at += k
+    dt = tokens.dtype
+    return Block(epochs=epochs, steps=steps, counts=counts, ids=ids, tokens=tokens, cursors=cursors,
+                 payloads=payloads, dtype=_NAMES.get(dt) or _NAMES.setdefault(dt, dt.name),
+                 compression=compression, sample_len=tokens.shape[1], samples_in_epoch=samples_in_epoch,
+                 raw_bytes=tokens.nbytes, read_s=read_s,
+                 payload_bytes=tokens.nbytes if payloads is None else sum(map(len, payloads)))
+
+
+def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
+                    cursors: CursorWriter) -> Block:
+    """The fast path: runs planned column-wise, all their tokens read in one pass."""
+    ids = runs[0].ids if len(runs) == 1 else np.concatenate([r.ids for r in runs])
     t0 = time.perf_counter()
-    tokens = planned.tokens if planned.tokens is not None else gather(source, planned.ids, seq_len)
-    read_s = planned.read_s + time.perf_counter() - t0
-    raw = tokens.tobytes()   # google_crc32c takes bytes only; uncompressed, this is the payload itself
-    payload = _zstd(level).compress(raw, asbytes=True) if compression == "zstd" else raw
-    return EncodedBatch(epoch=planned.epoch, step=planned.step, n=len(planned.ids), sample_len=seq_len + 1,
-                        dtype=_NAMES.get(source.dtype) or _NAMES.setdefault(source.dtype, source.dtype.name),
-                        compression=compression, tokens=payload,
-                        sample_ids=planned.ids.astype("<i8").tobytes(), cursor=planned.cursor.encode(secret),
-                        raw_size=len(raw), crc32c=google_crc32c.value(raw), read_s=read_s)
+    tokens = read_tokens(source, ids, seq_len)
+    read_s = time.perf_counter() - t0
+    written: list[bytes] = []
+    for r in runs:
+        written += cursors.many(world=r.world, epoch=r.epoch, base=r.base, stops=r.stops.tolist(), first_step=r.step)
+    one = len(runs) == 1
+    counts = [np.diff(r.stops, prepend=r.start) for r in runs]
+    epochs = [np.full(len(r), r.epoch, dtype=np.int64) for r in runs]
+    steps = [np.arange(r.step, r.step + len(r), dtype=np.int64) for r in runs]
+    return _block(tokens, ids=ids, counts=counts[0] if one else np.concatenate(counts),
+                  epochs=epochs[0] if one else np.concatenate(epochs), steps=steps[0] if one else np.concatenate(steps),
+                  cursors=written, compression=compression, level=level,
+                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s)
+
+
+def block_from_batches(source: TokenSource, planned: list[PlannedBatch], *, seq_len: int, compression: str,
+                       level: int, secret: bytes) -> Block:
+    """Batches one by one (a rank's worker share, Kafka follow): those that came with their
+    tokens keep them, the rest are read in one pass."""
+    ids = np.concatenate([p.ids for p in planned]).astype(np.int64, copy=False)
+    t0 = time.perf_counter()
+    if all(p.tokens is not None for p in planned):
+        tokens = np.concatenate([p.tokens for p in planned])
+    elif not any(p.tokens is not None for p in planned):
+        tokens = read_tokens(source, ids, seq_len)
+    else:
+        tokens = np.concatenate([p.tokens if p.tokens is not None else read_tokens(source, p.ids, seq_len)
+                                 for p in planned])
+    read_s = time.perf_counter() - t0 + sum(p.read_s for p in planned)
+    return _block(tokens, ids=ids, counts=np.array([len(p.ids) for p in planned], dtype=np.int64),
+                  epochs=np.array([p.epoch for p in planned], dtype=np.int64),
+                  steps=np.array([p.step for p in planned], dtype=np.int64),
+                  cursors=[p.cursor.encode(secret) for p in planned], compression=compression, level=level,
+                  samples_in_epoch=planned[-1].samples_in_epoch, read_s=read_s)

@@ -36,6 +36,32 @@ class PlannedBatch:
     read_s: float = 0.0                # or read ahead for a run of batches (with the time it took)
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """Consecutive batches of one epoch, column-wise: batch j holds positions
+    [stops[j-1], stops[j]) of the rank's list (the first from `start`) and has step step + j."""
+    epoch: int
+    base: int
+    world: int
+    start: int
+    step: int
+    ids: np.ndarray        # int64 [stops[-1] - start]
+    stops: np.ndarray      # int64 [k]: the rank's position after each batch (its cursor's pos)
+    samples_in_epoch: int
+
+    def __len__(self) -> int:
+        return len(self.stops)
+
+    def split(self, k: int) -> tuple["PlannedRun", "PlannedRun"]:
+        """The first k batches, and the rest."""
+        cut = int(self.stops[k - 1])
+        head = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start, step=self.step,
+                          ids=self.ids[:cut - self.start], stops=self.stops[:k], samples_in_epoch=self.samples_in_epoch)
+        tail = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=cut, step=self.step + k,
+                          ids=self.ids[cut - self.start:], stops=self.stops[k:], samples_in_epoch=self.samples_in_epoch)
+        return head, tail
+
+
 class StreamPlan:
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
                  src: str = ""):
@@ -82,8 +108,11 @@ class StreamPlan:
     def close(self) -> None:
         pass
 
-    def batches(self) -> Iterator[PlannedBatch]:
-        s, n = self.spec, self.n
+    def runs(self, max_batches: int = 64) -> Iterator["PlannedRun"]:
+        """The stream as runs of up to `max_batches` consecutive batches of one epoch, each
+        planned with one vectorized sampler call (the feeder's fast path reads, checksums and
+        frames a run at a time)."""
+        s, n, mb = self.spec, self.n, self.spec.micro_batch
         epoch, end = self.start.epoch, s.end_epoch
         while end is None or epoch < end:
             order = sampler.epoch_order(n, s.seed, epoch, s.shuffle)
@@ -93,12 +122,32 @@ class StreamPlan:
                 base, world, pos, step = 0, s.world_size, 0, 0
             per = sampler.per_rank(n - base, world, s.drop_last)
             while pos < per:
-                stop = min(pos + s.micro_batch, per)
+                stop = min(pos + max_batches * mb, per)
                 ids = sampler.rank_ids(order, base=base, world=world, rank=s.rank, drop_last=s.drop_last,
                                        start=pos, stop=stop)
-                cursor = Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
-                                drop_last=s.drop_last, seq_len=s.seq_len, world_size=world, rank=s.rank,
-                                epoch=epoch, base=base, pos=stop, step=step + 1, src=self.src)
-                yield PlannedBatch(epoch=epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=per)
-                pos, step = stop, step + 1
+                # Batch j ends at pos + (j + 1) * mb; only an epoch's last batch may be short.
+                stops = np.append(np.arange(pos + mb, stop, mb, dtype=np.int64), stop)
+                yield PlannedRun(epoch=epoch, base=base, world=world, start=pos, step=step, ids=ids, stops=stops,
+                                 samples_in_epoch=per)
+                step += len(stops)
+                pos = stop
             epoch += 1
+
+    def batches(self) -> Iterator[PlannedBatch]:
+        s = self.spec
+        for run in self.runs():
+            at = run.start
+            for j, stop in enumerate(run.stops.tolist()):
+                cursor = Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
+                                drop_last=s.drop_last, seq_len=s.seq_len, world_size=run.world, rank=s.rank,
+                                epoch=run.epoch, base=run.base, pos=stop, step=run.step + j + 1, src=self.src)
+                yield PlannedBatch(epoch=run.epoch, step=run.step + j, ids=run.ids[at - run.start:stop - run.start],
+                                   cursor=cursor, samples_in_epoch=run.samples_in_epoch)
+                at = stop
+
+    def cursor_template(self) -> Cursor:
+        """A cursor with this stream's fixed fields (for CursorWriter)."""
+        s = self.spec
+        return Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle, drop_last=s.drop_last,
+                      seq_len=s.seq_len, world_size=s.world_size, rank=s.rank, epoch=0, base=0, pos=0, step=0,
+                      src=self.src)

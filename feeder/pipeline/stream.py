@@ -17,14 +17,14 @@ from typing import AsyncIterator, Callable, Iterator
 
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import FailedPrecondition, FeederError, NotFound
-from feeder.pipeline.batcher import EncodedBatch, encode, gather_run
-from feeder.pipeline.plan import PlannedBatch, StreamPlan
+from feeder.cursor import CursorWriter
+from feeder.pipeline.batcher import Block, block_from_batches, block_from_runs
+from feeder.pipeline.plan import PlannedBatch, PlannedRun, StreamPlan
 from feeder.sources import TokenSource
 
 log = logging.getLogger("feeder.stream")
 _DONE = object()
 MAX_BATCHES_PER_MESSAGE = 256
-RUN_BATCHES = 64             # batches read from the source in one pass
 
 # Upper bounds (seconds) of the source read latency histogram.
 READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -65,17 +65,17 @@ class RankState:
     _rate_t: float = field(default_factory=time.monotonic)
     _rate_tokens: int = 0
 
-    def sent(self, batches: list[EncodedBatch], wire: int) -> None:
+    def sent(self, block: Block, wire: int) -> None:
         now = time.monotonic()
-        toks = sum(b.raw_size // (2 if b.dtype == "uint16" else 4) for b in batches)
-        for b in batches:
-            self.read_s += b.read_s
-            self.reads += 1
-            self.read_buckets[bisect.bisect_left(READ_BUCKETS, b.read_s)] += 1
-        self.batches_sent += len(batches)
+        k = len(block)
+        toks = block.n_tokens
+        self.read_s += block.read_s
+        self.reads += k
+        self.read_buckets[bisect.bisect_left(READ_BUCKETS, block.read_s / k)] += k   # each batch its share
+        self.batches_sent += k
         self.bytes_sent += wire
-        self.raw_bytes_sent += sum(b.raw_size for b in batches)
-        self.payload_bytes_sent += sum(len(b.tokens) for b in batches)
+        self.raw_bytes_sent += block.raw_bytes
+        self.payload_bytes_sent += block.payload_bytes
         self.tokens_sent += toks
         self._rate_tokens += toks
         if now - self._rate_t >= 1.0:
@@ -192,7 +192,7 @@ class Jobs:
 
 class RankStream:
     def __init__(self, spec: StreamSpec, plan: StreamPlan, source: TokenSource, cfg: ServeConfig,
-                 pool: ThreadPoolExecutor, serialize: Callable[[list[EncodedBatch]], bytes]):
+                 pool: ThreadPoolExecutor, serialize: Callable[[Block], bytes]):
         self.spec, self.plan, self.source, self.cfg, self.pool = spec, plan, source, cfg, pool
         self.serialize = serialize   # a message's wire bytes, built here on the pool threads
         self.state: RankState | None = None
@@ -205,8 +205,14 @@ class RankStream:
         self._deferred: FeederError | None = None
         self._producer: asyncio.Task | None = None
         self._cap = 1                # batches allowed in the next message (doubles up to the maximum)
-        self._ready: deque = deque()  # planned batches read ahead in a run, not yet encoded
         self._raw_batch_bytes = spec.micro_batch * (spec.seq_len + 1) * source.dtype.itemsize
+        # The fast path: a plain sampled plan for a whole rank is taken in runs, planned,
+        # read and framed a block at a time. A rank's worker share and Kafka's follow plan go
+        # batch by batch.
+        self._runs = plan.runs(MAX_BATCHES_PER_MESSAGE) \
+            if isinstance(plan, StreamPlan) and spec.num_workers == 1 else None
+        self._rest: PlannedRun | None = None   # the part of a run the last message had no room for
+        self._cursors = CursorWriter(plan.cursor_template(), cfg.cursor_secret) if self._runs is not None else None
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
@@ -236,67 +242,84 @@ class RankStream:
                 yield planned
             k += 1
 
-    def _next_planned(self, it: Iterator[PlannedBatch | None], want: int):
-        """The next planned batch. From plain sources a run of up to `want` is read in one pass
-        (one copy per chunk touched instead of a Python call per sample); a run that meets a
-        bad chunk is read batch by batch instead, so the good batches before it still go out."""
-        if self._ready:
-            return self._ready.popleft()
-        first = next(it, _DONE)
-        if want < 2 or first is _DONE or first is None or first.tokens is not None:
-            return first
-        run = [first]
-        while len(run) < want:
-            p = next(it, _DONE)
-            if p is _DONE or p is None or p.tokens is not None:
-                self._ready.append(p)  # after the run, in order
+    def _take_runs(self, want: int) -> list[PlannedRun]:
+        out, got = [], 0
+        while got < want:
+            run, self._rest = self._rest or next(self._runs, None), None
+            if run is None:
                 break
-            run.append(p)
-        try:
-            run = gather_run(self.source, run, self.spec.seq_len)
-        except FeederError:
-            pass
-        self._ready.extendleft(reversed(run[1:]))
-        return run[0]
+            if len(run) > want - got:
+                run, self._rest = run.split(want - got)
+            out.append(run)
+            got += len(run)
+        return out
 
-    def _build_message(self, it: Iterator[PlannedBatch]) -> tuple[list[EncodedBatch], int, bytes] | None:
-        """Runs on a pool thread: encode batches until the message is big enough."""
-        if self._deferred is not None:
-            raise self._deferred
-        out, size, per = [], 0, 0
-        s = self.spec
-        while True:
+    def _take_batches(self, it: Iterator[PlannedBatch | None], want: int) -> list[PlannedBatch] | None:
+        out: list[PlannedBatch] = []
+        while len(out) < want:
             try:
-                # A run reads no more than the rest of this message's bytes (raw), so what is
-                # read ahead per stream stays within about one message.
-                room = max(1, (self.cfg.message_bytes - size) // self._raw_batch_bytes)
-                planned = self._next_planned(it, max(1, min(self._cap - len(out), RUN_BATCHES, room)))
-                if planned is _DONE:
-                    break
-                if planned is None:
-                    if out:
-                        break
-                    if self._finished:
-                        return None
-                    continue
-                b = encode(self.source, planned, seq_len=s.seq_len, compression=s.compression,
-                           level=s.compression_level, secret=self.cfg.cursor_secret)
-            except FeederError as e:  # from the source (corrupt shard, bad Kafka record, ...)
+                planned = next(it, _DONE)
+            except FeederError as e:  # a plan that reads (Kafka: a bad record under bad_records=fail)
                 if not out:
                     raise
-                self._deferred = e  # send the good batches before it first
+                self._deferred = e   # the good batches before it go out first
                 break
-            out.append(b)
-            size += b.wire_bytes
-            per = planned.samples_in_epoch
-            # Slow start: message k holds at most 2**k batches (the first one batch: time to
-            # first batch), so over a thin or long link the rank's second batch does not wait
-            # behind a megabyte; then messages fill up to message_bytes, but never with so many
-            # small batches that one message takes long to build.
-            if size >= self.cfg.message_bytes or len(out) >= self._cap:
+            if planned is _DONE:
                 break
+            if planned is None:  # the plan would block (a tailed topic): flush what is taken
+                if out:
+                    break
+                if self._finished:
+                    return None
+                continue
+            out.append(planned)
+        return out
+
+    def _block(self, items: list) -> Block:
+        s = self.spec
+        if self._runs is not None:
+            return block_from_runs(self.source, items, seq_len=s.seq_len, compression=s.compression,
+                                   level=s.compression_level, cursors=self._cursors)
+        return block_from_batches(self.source, items, seq_len=s.seq_len, compression=s.compression,
+                                  level=s.compression_level, secret=self.cfg.cursor_secret)
+
+    def _singles(self, items: list) -> Iterator[list]:
+        """The items as one-batch pieces, in order."""
+        for item in items:
+            while isinstance(item, PlannedRun) and len(item) > 1:
+                one, item = item.split(1)
+                yield [one]
+            yield [item]
+
+    def _build_message(self, it: Iterator[PlannedBatch | None]) -> tuple[Block, bytes] | None:
+        """Runs on a pool thread: the next message's batches, read, encoded and framed."""
+        if self._deferred is not None:
+            raise self._deferred
+        # Slow start: message k holds at most 2**k batches (the first one batch: time to first
+        # batch), so over a thin or long link the rank's second batch does not wait behind a
+        # megabyte; then messages fill up to message_bytes of tokens, but never with so many
+        # small batches that one message takes long to build.
+        want = max(1, min(self._cap, -(-self.cfg.message_bytes // self._raw_batch_bytes)))
+        items = self._take_runs(want) if self._runs is not None else self._take_batches(it, want)
+        if not items:
+            return None
+        try:
+            block = self._block(items)
+        except FeederError as e:  # from the source (corrupt shard, bad Kafka record, ...)
+            # Send the good batches before the bad one first, then end with the error.
+            good = []
+            for one in self._singles(items):
+                try:
+                    self._block(one)
+                except FeederError:
+                    break
+                good += one
+            if not good:
+                raise
+            self._deferred = e
+            block = self._block(good)
         self._cap = min(2 * self._cap, MAX_BATCHES_PER_MESSAGE)
-        return (out, per, self.serialize(out)) if out else None
+        return block.framed(), self.serialize(block)
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
@@ -313,7 +336,7 @@ class RankStream:
                 if built is None:
                     self._finish(None)
                     return
-                size = len(built[2])
+                size = len(built[1])
                 # Wait for room; one message always fits, so a huge one cannot deadlock.
                 while self._items and (len(self._items) >= cfg.prefetch_messages
                                        or self._bytes + size > cfg.prefetch_bytes):
@@ -332,7 +355,7 @@ class RankStream:
             log.exception("stream %s rank %d: producer failed", self.spec.job, self.spec.rank)
             self._finish(e)
 
-    async def messages(self) -> AsyncIterator[tuple[list[EncodedBatch], bytes]]:
+    async def messages(self) -> AsyncIterator[tuple[Block, bytes]]:
         self._producer = asyncio.create_task(self._produce())
         try:
             while True:
@@ -343,18 +366,18 @@ class RankStream:
                         return
                     self._changed.clear()
                     await self._changed.wait()
-                (msg, per, wire), size = self._items.popleft()
+                (block, wire), size = self._items.popleft()
                 self._bytes -= size
                 self._changed.set()
                 st = self.state
                 if st is not None:
                     st.bad_records = self.plan.bad_records
                     st.kafka_lag = dict(getattr(self.plan, "lag", {}))
-                    last = msg[-1]
-                    st.epoch, st.samples_in_epoch = last.epoch, per
-                    st.samples_done = min(per, (last.step + 1) * self.spec.micro_batch)
+                    per = block.samples_in_epoch
+                    st.epoch, st.samples_in_epoch = int(block.epochs[-1]), per
+                    st.samples_done = min(per, (int(block.steps[-1]) + 1) * self.spec.micro_batch)
                     st.queue_depth = len(self._items)
-                yield msg, wire
+                yield block, wire
         finally:
             self._finish(None)
             if not self._producer.done():

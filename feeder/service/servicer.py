@@ -7,12 +7,13 @@ import logging
 import threading
 import time
 
+import google_crc32c
 import grpc
 
 from feeder.config import StreamSpec
 from feeder.engine import Engine
 from feeder.errors import ELSEWHERE, Code, FeederError
-from feeder.pipeline.batcher import EncodedBatch
+from feeder.pipeline.batcher import Block
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -71,11 +72,18 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records)
 
 
-def to_proto(b: EncodedBatch) -> pb.Batch:
-    """The protobuf object of a batch (the stream itself sends wire.encode_reply's bytes)."""
-    return pb.Batch(epoch=b.epoch, step=b.step, n=b.n, sample_len=b.sample_len, dtype=DTYPE_ENUM[b.dtype],
-                    compression=COMPRESSION_ENUM[b.compression], tokens=b.tokens, sample_ids=b.sample_ids,
-                    cursor=b.cursor, raw_size=b.raw_size, crc32c=b.crc32c)
+def to_proto(block: Block, region: str) -> pb.StreamReply:
+    """The protobuf object of a reply (the stream itself sends wire.encode_reply's bytes)."""
+    bounds, out = block.bounds(), []
+    for j in range(len(block)):
+        a, b = bounds[j], bounds[j + 1]
+        raw = block.tokens[a:b].tobytes()
+        out.append(pb.Batch(epoch=int(block.epochs[j]), step=int(block.steps[j]), n=b - a, sample_len=block.sample_len,
+                            dtype=DTYPE_ENUM[block.dtype], compression=COMPRESSION_ENUM[block.compression],
+                            tokens=raw if block.payloads is None else block.payloads[j],
+                            sample_ids=block.ids[a:b].astype("<i8").tobytes(), cursor=block.cursors[j],
+                            raw_size=len(raw), crc32c=google_crc32c.value(raw)))
+    return pb.StreamReply(batches=out, region=region)
 
 
 def add_to_server(servicer: "FeederServicer", server) -> None:

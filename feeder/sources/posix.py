@@ -22,6 +22,10 @@ import pyarrow as pa
 from feeder import manifest as mf
 from feeder.errors import DataLoss, InvalidArgument, NotFound
 
+try:
+    from feeder._native import gather_rows as _gather_rows   # memcpy per sample, without the GIL
+except ImportError:  # no C compiler at install: numpy's fancy index
+    _gather_rows = None
 log = logging.getLogger("feeder.source")
 
 
@@ -94,10 +98,16 @@ class PosixSource:
             raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {self.n_tokens}")
         ks = np.searchsorted(self._starts_np, starts, side="right") - 1
         inside = starts + n <= self._starts_np[ks + 1]
+        if _gather_rows is not None and len(ks) and inside.all() and (ks == ks[0]).all():   # one chunk: the usual run
+            _gather_rows(self._chunk(int(ks[0])), starts - self._starts[int(ks[0])], n, out, None)
+            return out
         for k in np.unique(ks[inside]).tolist():
             sel = np.flatnonzero(inside & (ks == k))
             arr = self._chunk(k)
-            out[sel] = np.lib.stride_tricks.sliding_window_view(arr, n)[starts[sel] - self._starts[k]]
+            if _gather_rows is not None:
+                _gather_rows(arr, starts[sel] - self._starts[k], n, out, sel.astype(np.int64))
+            else:
+                out[sel] = np.lib.stride_tricks.sliding_window_view(arr, n)[starts[sel] - self._starts[k]]
         for i in np.flatnonzero(~inside).tolist():
             self.read(int(starts[i]), out[i])
         return out

@@ -101,7 +101,7 @@ def serve_config(args):
 
 def cmd_serve(args) -> int:
     from feeder import logs
-    from feeder.service.server import new_loop, serve_forever
+    from feeder.service.server import keep_freed_memory, new_loop, serve_forever
 
     cfg = serve_config(args)
     logs.setup(cfg.log_format)
@@ -111,6 +111,7 @@ def cmd_serve(args) -> int:
         if server.metrics_address:
             print(f"metrics on {server.metrics_address}", flush=True)
 
+    keep_freed_memory()
     loop = new_loop()
     try:
         loop.run_until_complete(serve_forever(cfg, ready))

@@ -102,16 +102,20 @@ def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int
     t0 = time.perf_counter()
     tokens = read_tokens(source, ids, seq_len)
     read_s = time.perf_counter() - t0
+    # The columns as Python lists, one numpy call each at the end: a message may hold several
+    # short runs (an epoch ends inside it), and small numpy calls per run cost more than the loop.
     written: list[bytes] = []
+    counts: list[int] = []
+    epochs: list[int] = []
+    steps: list[int] = []
     for r in runs:
-        written += cursors.many(world=r.world, epoch=r.epoch, base=r.base, stops=r.stops.tolist(), first_step=r.step)
-    one = len(runs) == 1
-    counts = [np.diff(r.stops, prepend=r.start) for r in runs]
-    epochs = [np.full(len(r), r.epoch, dtype=np.int64) for r in runs]
-    steps = [np.arange(r.step, r.step + len(r), dtype=np.int64) for r in runs]
-    return _block(tokens, ids=ids, counts=counts[0] if one else np.concatenate(counts),
-                  epochs=epochs[0] if one else np.concatenate(epochs), steps=steps[0] if one else np.concatenate(steps),
-                  cursors=written, compression=compression, level=level,
+        stops = r.stops.tolist()
+        written += cursors.many(world=r.world, epoch=r.epoch, base=r.base, stops=stops, first_step=r.step)
+        counts += [b - a for a, b in zip([r.start, *stops], stops)]
+        epochs += [r.epoch] * len(stops)
+        steps += range(r.step, r.step + len(stops))
+    return _block(tokens, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
+                  steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
                   samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s)
 
 

@@ -101,11 +101,15 @@ class PosixSource:
         if _gather_rows is not None and len(ks) and inside.all() and (ks == ks[0]).all():   # one chunk: the usual run
             _gather_rows(self._chunk(int(ks[0])), starts - self._starts[int(ks[0])], n, out, None)
             return out
-        for k in np.unique(ks[inside]).tolist():
-            sel = np.flatnonzero(inside & (ks == k))
+        # Rows grouped by chunk with one sort (a run over a large dataset touches hundreds of
+        # chunks; a mask per chunk would make that quadratic), then one copy per chunk.
+        rows = np.flatnonzero(inside)
+        rows = rows[np.argsort(ks[rows], kind="stable")]
+        for sel in np.split(rows, np.flatnonzero(np.diff(ks[rows])) + 1) if len(rows) else ():
+            k = int(ks[sel[0]])
             arr = self._chunk(k)
             if _gather_rows is not None:
-                _gather_rows(arr, starts[sel] - self._starts[k], n, out, sel.astype(np.int64))
+                _gather_rows(arr, starts[sel] - self._starts[k], n, out, sel)
             else:
                 out[sel] = np.lib.stride_tricks.sliding_window_view(arr, n)[starts[sel] - self._starts[k]]
         for i in np.flatnonzero(~inside).tolist():

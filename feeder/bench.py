@@ -208,6 +208,12 @@ class Feeder:
         if "listening on" not in line:
             raise RuntimeError(f"feeder did not start: {line!r}")
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the feeder process has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def status(self):
         from feeder.status import fetch
 
@@ -666,13 +672,25 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         feeders.append(one)
         # What the feeders serve (counting clients, as for the ceilings), and what ranks that
         # decode into tensors on the same 2 cores take (the cores then run out first).
-        c1 = clients.count([one.address], "scale-1c", N, seq_len=L, mb=mb, seconds=secs)
+        # Each feeder's CPU over the counting run too: tokens per feeder CPU-second shows whether
+        # a second process costs the first anything, apart from the cores the machine has.
+        def counted(job):
+            cpu0, t0 = [f.cpu_s() for f in scaled], time.monotonic()
+            got = clients.count([one.address], job, N, seq_len=L, mb=mb, seconds=secs)
+            dt = time.monotonic() - t0
+            cores = [(f.cpu_s() - c) / dt for f, c in zip(scaled, cpu0)]
+            return got["tokens_s"], cores
+
+        scaled = [one]
+        t1, cores1 = counted("scale-1c")
         s1 = clients.run([one.address], "scale-1", N, seq_len=L, mb=mb, compression="none", seconds=secs)
-        feeders.append(Feeder(data["shards"], port, message_bytes=cfg.message_bytes))  # same port
-        c2 = clients.count([one.address], "scale-2c", N, seq_len=L, mb=mb, seconds=secs)
+        scaled.append(Feeder(data["shards"], port, message_bytes=cfg.message_bytes))  # same port
+        feeders.append(scaled[-1])
+        t2, cores2 = counted("scale-2c")
         s2 = clients.run([one.address], "scale-2", N, seq_len=L, mb=mb, compression="none", seconds=secs)
-        res["scaling"] = {"1": c1["tokens_s"], "2": c2["tokens_s"], "ratio": c2["tokens_s"] / c1["tokens_s"],
-                          "clients": "counting"}
+        res["scaling"] = {"1": t1, "2": t2, "ratio": t2 / t1, "clients": "counting",
+                          "feeder_cores_1": cores1, "feeder_cores_2": cores2,
+                          "tokens_per_feeder_cpu_s_1": t1 / sum(cores1), "tokens_per_feeder_cpu_s_2": t2 / sum(cores2)}
         res["scaling_decoding_clients"] = {"1": s1["tokens_s"], "2": s2["tokens_s"],
                                            "ratio": s2["tokens_s"] / s1["tokens_s"]}
     finally:
@@ -733,6 +751,10 @@ def table(r: dict) -> str:
         ("max_streams", f"{r['max_streams']} of {r['max_streams_tried']}"),
         ("scaling 1 -> 2 processes", f"{r['scaling']['1'] / 1e6:,.1f} -> {r['scaling']['2'] / 1e6:,.1f} M tok/s "
                                      "(counting clients)"),
+        ("  per feeder CPU-second", f"{r['scaling']['tokens_per_feeder_cpu_s_1'] / 1e6:,.1f} -> "
+                                    f"{r['scaling']['tokens_per_feeder_cpu_s_2'] / 1e6:,.1f} M tok "
+                                    f"(feeders used {sum(r['scaling']['feeder_cores_1']):.2f} -> "
+                                    f"{sum(r['scaling']['feeder_cores_2']):.2f} cores)"),
         ("  with decoding clients", f"{r['scaling_decoding_clients']['1'] / 1e6:,.1f} -> "
                                     f"{r['scaling_decoding_clients']['2'] / 1e6:,.1f} M tok/s"),
     ]

@@ -1,8 +1,9 @@
 """Open streams: the job registry, per-rank state, and the bounded prefetch queue.
 
-Each stream has one producer task that builds whole messages (several encoded batches, up
-to `message_bytes`) on the shared thread pool and puts them in a queue bounded both in
-messages and bytes. However slowly the peer reads, a stream holds at most that budget.
+Each stream has one producer task that builds whole messages (a Block of batches, up to
+`message_bytes` of raw tokens, framed into reply bytes) on the shared thread pool and puts
+them in a queue bounded both in messages and bytes. However slowly the peer reads, a stream
+holds at most that budget.
 """
 from __future__ import annotations
 

@@ -125,14 +125,12 @@ def block_from_batches(source: TokenSource, planned: list[PlannedBatch], *, seq_
     tokens keep them, the rest are read in one pass."""
     ids = np.concatenate([p.ids for p in planned]).astype(np.int64, copy=False)
     t0 = time.perf_counter()
-    if all(p.tokens is not None for p in planned):
-        tokens = np.concatenate([p.tokens for p in planned])
-    elif not any(p.tokens is not None for p in planned):
-        tokens = read_tokens(source, ids, seq_len)
-    else:
+    if any(p.tokens is not None for p in planned):
         tokens = np.concatenate([p.tokens if p.tokens is not None else read_tokens(source, p.ids, seq_len)
                                  for p in planned])
-    read_s = time.perf_counter() - t0 + sum(p.read_s for p in planned)
+    else:
+        tokens = read_tokens(source, ids, seq_len)
+    read_s = time.perf_counter() - t0
     return _block(tokens, ids=ids, counts=np.array([len(p.ids) for p in planned], dtype=np.int64),
                   epochs=np.array([p.epoch for p in planned], dtype=np.int64),
                   steps=np.array([p.step for p in planned], dtype=np.int64),

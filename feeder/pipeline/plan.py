@@ -32,8 +32,7 @@ class PlannedBatch:
     ids: np.ndarray        # int64 [k]
     cursor: Cursor         # resume right after this batch
     samples_in_epoch: int  # this rank's total for the epoch (for progress)
-    tokens: np.ndarray | None = None   # set by plans that read tokens themselves (Kafka follow),
-    read_s: float = 0.0                # or read ahead for a run of batches (with the time it took)
+    tokens: np.ndarray | None = None   # set by plans that read tokens themselves (Kafka follow)
 
 
 @dataclass(frozen=True)

@@ -255,7 +255,7 @@ class RankStream:
             got += len(run)
         return out
 
-    def _take_batches(self, it: Iterator[PlannedBatch | None], want: int) -> list[PlannedBatch] | None:
+    def _take_batches(self, it: Iterator[PlannedBatch | None], want: int) -> list[PlannedBatch]:
         out: list[PlannedBatch] = []
         while len(out) < want:
             try:
@@ -268,10 +268,8 @@ class RankStream:
             if planned is _DONE:
                 break
             if planned is None:  # the plan would block (a tailed topic): flush what is taken
-                if out:
+                if out or self._finished:
                     break
-                if self._finished:
-                    return None
                 continue
             out.append(planned)
         return out

@@ -89,8 +89,8 @@ class PosixSource:
 
     def read_many(self, starts: np.ndarray, n: int) -> np.ndarray:
         """[len(starts), n] tokens, row i from starts[i]: one copy per chunk touched (the samples
-        of a run of batches that lie in one chunk are cut by a single fancy index) instead of one
-        Python call per sample; the rare sample across a chunk boundary goes through read()."""
+        of a run that lie in one chunk are cut by one gather) instead of one Python call per
+        sample; the rare sample across a chunk boundary goes through read()."""
         starts = np.asarray(starts, dtype=np.int64)
         out = np.empty((len(starts), n), dtype=self.dtype)
         if len(starts) and (starts.min() < 0 or starts.max() + n > self.n_tokens):
@@ -98,9 +98,6 @@ class PosixSource:
             raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {self.n_tokens}")
         ks = np.searchsorted(self._starts_np, starts, side="right") - 1
         inside = starts + n <= self._starts_np[ks + 1]
-        if _gather_rows is not None and len(ks) and inside.all() and (ks == ks[0]).all():   # one chunk: the usual run
-            _gather_rows(self._chunk(int(ks[0])), starts - self._starts[int(ks[0])], n, out, None)
-            return out
         # Rows grouped by chunk with one sort (a run over a large dataset touches hundreds of
         # chunks; a mask per chunk would make that quadratic), then one copy per chunk.
         rows = np.flatnonzero(inside)

@@ -32,7 +32,12 @@ def per_rank(m: int, world: int, drop_last: bool) -> int:
 
 _ORDER_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 _ORDER_LOCK = threading.Lock()
-_ORDER_CACHE_SIZE = 8
+# Bounded in bytes, not entries: ranks of a job drift apart by up to their prefetch, and on a
+# small dataset that is many epochs (each rank recomputed every epoch's order when this held
+# 8); on a huge one a single order is gigabytes. The newest two always stay.
+_ORDER_CACHE_ENTRIES = 256
+_ORDER_CACHE_BYTES = 256 << 20
+_order_bytes = 0
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -41,6 +46,7 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     Cached: every rank of a job, and every job with the same (n, seed, epoch), shares one.
     int32 when it fits, which halves the memory of a large permutation.
     """
+    global _order_bytes
     key = (n, seed, epoch, shuffle)
     with _ORDER_LOCK:
         hit = _ORDER_CACHE.get(key)
@@ -54,9 +60,12 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         order = np.arange(n, dtype=dtype)
     order.setflags(write=False)
     with _ORDER_LOCK:
-        _ORDER_CACHE[key] = order
-        while len(_ORDER_CACHE) > _ORDER_CACHE_SIZE:
-            _ORDER_CACHE.popitem(last=False)
+        if key not in _ORDER_CACHE:   # another thread may have drawn it meanwhile
+            _ORDER_CACHE[key] = order
+            _order_bytes += order.nbytes
+        while len(_ORDER_CACHE) > 2 and (len(_ORDER_CACHE) > _ORDER_CACHE_ENTRIES
+                                         or _order_bytes > _ORDER_CACHE_BYTES):
+            _order_bytes -= _ORDER_CACHE.popitem(last=False)[1].nbytes
     return order
 
 
@@ -79,10 +88,24 @@ def randperm(n: int, seed: int) -> np.ndarray:
         g = torch.Generator()
         g.manual_seed(seed)
         return torch.randperm(n, generator=g).numpy()
-    draws = np.random.RandomState(seed & 0xFFFFFFFF).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
+    draws = _mt19937(seed).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
     order = np.arange(n, dtype=np.int64)
     fisher_yates(order, draws)
     return order
+
+
+_RNG = threading.local()
+
+
+def _mt19937(seed: int) -> np.random.RandomState:
+    """This thread's legacy MT19937, seeded with init_genrand(seed mod 2^32). Reseeding one costs
+    2 us; constructing a RandomState costs 220 us (it seeds from SeedSequence first), which was
+    most of an epoch's planning on a small dataset."""
+    rs = getattr(_RNG, "rs", None)
+    if rs is None:
+        rs = _RNG.rs = np.random.RandomState()
+    rs.seed(seed & 0xFFFFFFFF)
+    return rs
 
 
 def rank_ids(order: np.ndarray, *, base: int, world: int, rank: int, drop_last: bool,

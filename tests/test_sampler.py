@@ -77,3 +77,35 @@ def test_the_feeder_process_does_not_import_torch(tmp_path):
             "epoch_order(1000, 3, 1, True); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_randperm_is_torchs_from_many_threads_at_once():
+    """Each thread reseeds its own generator: concurrent draws must not mix their states."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+
+    def torch_perm(seed):
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return torch.randperm(5000, generator=g).numpy()
+
+    seeds = list(range(40))
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda s: sampler.randperm(5000, s), seeds))
+    assert all(np.array_equal(g, torch_perm(s)) for g, s in zip(got, seeds))
+
+
+def test_epoch_orders_stay_cached_across_many_epochs_within_a_byte_budget(monkeypatch):
+    """Ranks drift apart by their prefetch, which on a small dataset spans many epochs: their
+    orders stay shared. A budget in bytes evicts the oldest, keeping the newest two."""
+    monkeypatch.setattr(sampler, "_ORDER_CACHE", type(sampler._ORDER_CACHE)())
+    monkeypatch.setattr(sampler, "_order_bytes", 0)
+    first = [sampler.epoch_order(1000, 9, e, True) for e in range(50)]
+    assert all(sampler.epoch_order(1000, 9, e, True) is first[e] for e in range(50))   # 50 epochs, all hits
+    monkeypatch.setattr(sampler, "_ORDER_CACHE_BYTES", 10_000)    # room for two 4000-byte orders
+    sampler.epoch_order(1000, 9, 50, True)
+    assert len(sampler._ORDER_CACHE) == 2 and sampler._order_bytes == 8000
+    assert sampler.epoch_order(1000, 9, 49, True) is first[49]
+    assert sampler.epoch_order(1000, 9, 0, True) is not first[0]   # evicted, drawn again

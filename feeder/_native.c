@@ -1,5 +1,5 @@
 /* The feeder's two per-byte loops, in C with the GIL released: cutting samples out of the
- * memory-mapped token chunks (gather_rows), and writing a whole StreamReply in one call
+ * memory-mapped token chunks (gather), and writing a whole StreamReply in one call
  * (frame): k batches in the proto3 wire format, each with its CRC-32C.
  *
  * In Python the same bytes cost ~60 us of held GIL per batch (varints, field lists, a bytes
@@ -177,23 +177,100 @@ static int get_i64(PyObject *obj, Py_buffer *view, Py_ssize_t want, const char *
     return 0;
 }
 
+/* Rows cut from several buffers: row i is bufs[which[i]][offs[i] : offs[i] + n] (items). The
+ * feeder's mapped chunks are the buffers; the views keep them alive while the GIL is released. */
+typedef struct {
+    Py_ssize_t nbufs, k;
+    Py_buffer *bufs;
+    Py_buffer which, offs;
+} rows_t;
+
+static void rows_release(rows_t *r) {
+    for (Py_ssize_t i = 0; i < r->nbufs; i++)
+        if (r->bufs[i].obj) PyBuffer_Release(&r->bufs[i]);
+    PyMem_Free(r->bufs);
+    if (r->which.obj) PyBuffer_Release(&r->which);
+    if (r->offs.obj) PyBuffer_Release(&r->offs);
+    memset(r, 0, sizeof(*r));
+}
+
+/* Views of (bufs, which, offs), every row checked to lie inside its buffer. */
+static int rows_get(PyObject *bufs_o, PyObject *which_o, PyObject *offs_o, Py_ssize_t n, Py_ssize_t itemsize,
+                    rows_t *r) {
+    memset(r, 0, sizeof(*r));
+    PyObject *seq = PySequence_Fast(bufs_o, "rows: bufs must be a sequence of buffers");
+    if (!seq) return -1;
+    r->nbufs = PySequence_Fast_GET_SIZE(seq);
+    r->bufs = PyMem_Calloc(r->nbufs ? r->nbufs : 1, sizeof(Py_buffer));
+    if (!r->bufs) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < r->nbufs; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &r->bufs[i], PyBUF_C_CONTIGUOUS) < 0) {
+            Py_DECREF(seq);
+            rows_release(r);
+            return -1;
+        }
+        if (r->bufs[i].itemsize != itemsize) {
+            PyErr_Format(PyExc_ValueError, "rows: buffer %zd has items of %zd bytes, expected %zd", i,
+                         r->bufs[i].itemsize, itemsize);
+            Py_DECREF(seq);
+            rows_release(r);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    if (PyObject_GetBuffer(which_o, &r->which, PyBUF_C_CONTIGUOUS) < 0 ||
+        PyObject_GetBuffer(offs_o, &r->offs, PyBUF_C_CONTIGUOUS) < 0 || r->which.len % 8 ||
+        r->which.len != r->offs.len || n < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "rows: which and offs must be int64 arrays of one length");
+        rows_release(r);
+        return -1;
+    }
+    r->k = r->which.len / 8;
+    const int64_t *wv = r->which.buf, *ov = r->offs.buf;
+    for (Py_ssize_t i = 0; i < r->k; i++) {
+        if (wv[i] < 0 || wv[i] >= r->nbufs || ov[i] < 0 || ov[i] + n > r->bufs[wv[i]].len / itemsize) {
+            PyErr_Format(PyExc_IndexError, "rows: row %zd (buffer %lld, offset %lld, %zd items) is out of range",
+                         i, (long long)wv[i], (long long)ov[i], n);
+            rows_release(r);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Rows [first, first + count) back to back at o; returns the end. Call without the GIL. */
+static unsigned char *rows_copy(const rows_t *r, Py_ssize_t first, Py_ssize_t count, size_t row_bytes,
+                                Py_ssize_t itemsize, unsigned char *o) {
+    const int64_t *wv = r->which.buf, *ov = r->offs.buf;
+    for (Py_ssize_t i = first; i < first + count; i++, o += row_bytes)
+        memcpy(o, (const unsigned char *)r->bufs[wv[i]].buf + (size_t)ov[i] * (size_t)itemsize, row_bytes);
+    return o;
+}
+
 /* frame(tokens, payloads, ids, counts, epochs, steps, cursors, sample_len, itemsize, dtype,
  *       compression, region) -> bytes
  *   tokens:   every batch's raw tokens back to back (batch j: counts[j] * sample_len items)
  *   payloads: None (the raw tokens are the payload) or k bytes (compressed), field 7
  *   ids:      int64 sample ids back to back (sum(counts)); counts, epochs, steps: int64 [k]
- *   cursors:  k bytes. The CRC-32C of field 11 is over each batch's raw tokens. */
+ *   cursors:  k bytes. The CRC-32C of field 11 is over each batch's raw tokens.
+ *   rows:     with tokens None, (bufs, which, offs): the tokens are cut straight from the
+ *             buffers into the reply (uncompressed only), one copy fewer, and each batch's
+ *             checksum is taken while its ~32 KiB is still in cache. */
 static PyObject *frame(PyObject *self, PyObject *args) {
-    PyObject *tokens_o, *payloads, *ids_o, *counts_o, *epochs_o, *steps_o, *cursors;
+    PyObject *tokens_o, *payloads, *ids_o, *counts_o, *epochs_o, *steps_o, *cursors, *rows_o = Py_None;
     unsigned long long sample_len, itemsize, dtype, comp;
     Py_buffer region;
-    if (!PyArg_ParseTuple(args, "OOOOOOOKKKKy*", &tokens_o, &payloads, &ids_o, &counts_o, &epochs_o, &steps_o,
-                          &cursors, &sample_len, &itemsize, &dtype, &comp, &region))
+    if (!PyArg_ParseTuple(args, "OOOOOOOKKKKy*|O", &tokens_o, &payloads, &ids_o, &counts_o, &epochs_o, &steps_o,
+                          &cursors, &sample_len, &itemsize, &dtype, &comp, &region, &rows_o))
         return NULL;
     PyObject *result = NULL, *cur_seq = NULL, *pay_seq = NULL;
     Py_buffer tokens = {0}, ids = {0}, counts = {0}, epochs = {0}, steps = {0};
     batch_t *bs = NULL;
     uint32_t *crcs = NULL;
+    rows_t rows = {0};
+    int direct = tokens_o == Py_None;   /* cut from rows into the reply */
+    unsigned char **staged = NULL;
     cur_seq = PySequence_Fast(cursors, "frame: cursors must be a sequence of bytes");
     if (!cur_seq) goto done;
     Py_ssize_t k = PySequence_Fast_GET_SIZE(cur_seq);
@@ -215,16 +292,32 @@ static PyObject *frame(PyObject *self, PyObject *args) {
         samples += cv[j];
     }
     if (get_i64(ids_o, &ids, samples, "ids") < 0) goto done;
-    if (PyObject_GetBuffer(tokens_o, &tokens, PyBUF_C_CONTIGUOUS) < 0) goto done;
-    if ((unsigned long long)tokens.len != (unsigned long long)samples * sample_len * itemsize) {
-        PyErr_Format(PyExc_ValueError, "frame: tokens has %zd bytes, the counts need %lld", tokens.len,
-                     (long long)((unsigned long long)samples * sample_len * itemsize));
-        goto done;
+    if (direct) {
+        PyObject *bufs_o, *which_o, *offs_o;
+        if (pay_seq || !PyArg_ParseTuple(rows_o, "OOO", &bufs_o, &which_o, &offs_o)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "frame: without tokens, rows must be (bufs, which, offs) and "
+                                              "payloads None");
+            goto done;
+        }
+        if (rows_get(bufs_o, which_o, offs_o, (Py_ssize_t)sample_len, (Py_ssize_t)itemsize, &rows) < 0) goto done;
+        if (rows.k != samples) {
+            PyErr_Format(PyExc_ValueError, "frame: rows has %zd rows, the counts need %lld", rows.k, (long long)samples);
+            goto done;
+        }
+    } else {
+        if (PyObject_GetBuffer(tokens_o, &tokens, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if ((unsigned long long)tokens.len != (unsigned long long)samples * sample_len * itemsize) {
+            PyErr_Format(PyExc_ValueError, "frame: tokens has %zd bytes, the counts need %lld", tokens.len,
+                         (long long)((unsigned long long)samples * sample_len * itemsize));
+            goto done;
+        }
     }
     bs = PyMem_Calloc(k ? k : 1, sizeof(batch_t));
     crcs = PyMem_Calloc(k ? k : 1, sizeof(uint32_t));
-    if (!bs || !crcs) { PyErr_NoMemory(); goto done; }
-    const unsigned char *raw = tokens.buf, *idp = ids.buf;
+    staged = PyMem_Calloc(k ? k : 1, sizeof(unsigned char *));
+    if (!bs || !crcs || !staged) { PyErr_NoMemory(); goto done; }
+    const unsigned char *raw = direct ? NULL : tokens.buf, *idp = ids.buf;
     for (Py_ssize_t j = 0; j < k; j++) {
         batch_t *b = &bs[j];
         b->epoch = (uint64_t)ev[j];
@@ -232,7 +325,7 @@ static PyObject *frame(PyObject *self, PyObject *args) {
         b->n = (uint64_t)cv[j];
         b->raw_size = b->n * sample_len * itemsize;
         b->raw = raw;
-        raw += b->raw_size;
+        if (raw) raw += b->raw_size;
         b->ids = idp;
         b->ids_len = (size_t)b->n * 8;
         idp += b->ids_len;
@@ -250,43 +343,97 @@ static PyObject *frame(PyObject *self, PyObject *args) {
             b->payload_len = b->raw_size;
         }
     }
-    /* The checksums first (the lengths depend on them), without the GIL: the sequences hold
-     * the bytes objects and the views hold the arrays. */
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < k; j++) crcs[j] = crc32c(0, bs[j].raw, bs[j].raw_size);
-    Py_END_ALLOW_THREADS
+    if (direct) {
+        /* A batch's length prefix comes before its tokens but counts its checksum's varint
+         * (0-6 bytes). Where the prefix has the same size whatever the checksum (nearly always)
+         * the tokens go straight into the reply and the prefix is written after them; the rare
+         * batch on a varint boundary is cut into a buffer of its own first (staged). */
+        Py_ssize_t first = 0;
+        size_t row_bytes = (size_t)(sample_len * itemsize);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            size_t lo = batch_body(&bs[j], sample_len, dtype, comp, 0);
+            if (varint_len(lo) != varint_len(lo + 6)) {
+                staged[j] = PyMem_Malloc(bs[j].raw_size ? bs[j].raw_size : 1);
+                if (!staged[j]) { PyErr_NoMemory(); goto done; }
+                bs[j].raw = staged[j];
+                bs[j].payload = staged[j];
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < k; first += (Py_ssize_t)bs[j].n, j++)
+            if (staged[j]) {
+                rows_copy(&rows, first, (Py_ssize_t)bs[j].n, row_bytes, (Py_ssize_t)itemsize, staged[j]);
+                crcs[j] = crc32c(0, staged[j], bs[j].raw_size);
+            }
+        Py_END_ALLOW_THREADS
+    } else {
+        /* The checksums first (the lengths depend on them), without the GIL: the sequences hold
+         * the bytes objects and the views hold the arrays. */
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < k; j++) crcs[j] = crc32c(0, bs[j].raw, bs[j].raw_size);
+        Py_END_ALLOW_THREADS
+    }
+    /* Exact where the checksum is known; an upper bound (the largest checksum field) for
+     * batches whose tokens are cut in place, trimmed at the end. */
     size_t total = ldfield_len(region.len);
     for (Py_ssize_t j = 0; j < k; j++) {
-        bs[j].body = batch_body(&bs[j], sample_len, dtype, comp, crcs[j]);
+        int in_place = direct && !staged[j];
+        bs[j].body = batch_body(&bs[j], sample_len, dtype, comp, crcs[j]) + (in_place ? 6 : 0);
         total += 1 + varint_len(bs[j].body) + bs[j].body;
     }
     result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
     if (!result) goto done;
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(result);
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(result), *o = start;
+    Py_ssize_t first = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < k; j++) {
+    for (Py_ssize_t j = 0; j < k; first += (Py_ssize_t)bs[j].n, j++) {
         const batch_t *b = &bs[j];
+        int in_place = direct && !staged[j];
         *o++ = (unsigned char)(1 << 3 | 2);   /* StreamReply.batches */
-        o = put_varint(o, b->body);
+        unsigned char *prefix = o;
+        size_t plen = varint_len(b->body);
+        o = in_place ? o + plen : put_varint(o, b->body);
+        unsigned char *body = o;
         o = put_vfield(o, 1, b->epoch);
         o = put_vfield(o, 2, b->step);
         o = put_vfield(o, 3, b->n);
         o = put_vfield(o, 4, sample_len);
         o = put_vfield(o, 5, dtype);
         o = put_vfield(o, 6, comp);
-        o = put_ldfield(o, 7, b->payload, b->payload_len);
+        if (in_place) {
+            if (b->raw_size) {
+                *o++ = (unsigned char)(7 << 3 | 2);
+                o = put_varint(o, b->raw_size);
+                unsigned char *tok = o;
+                o = rows_copy(&rows, first, (Py_ssize_t)b->n, (size_t)(sample_len * itemsize), (Py_ssize_t)itemsize, o);
+                crcs[j] = crc32c(0, tok, b->raw_size);
+            }
+        } else {
+            o = put_ldfield(o, 7, b->payload, b->payload_len);
+        }
         o = put_ldfield(o, 8, b->ids, b->ids_len);
         o = put_ldfield(o, 9, b->cursor, b->cursor_len);
         o = put_vfield(o, 10, b->raw_size);
         o = put_vfield(o, 11, crcs[j]);
+        if (in_place) {   /* same size as reserved: the bound and the real body differ by < 6 */
+            unsigned char *end = put_varint(prefix, (uint64_t)(o - body));
+            (void)end;
+        }
     }
     o = put_ldfield(o, 2, region.buf, (size_t)region.len);   /* StreamReply.region */
     Py_END_ALLOW_THREADS
-    if ((size_t)(o - (unsigned char *)PyBytes_AS_STRING(result)) != total) {
+    size_t used = (size_t)(o - start);
+    if (used > total) {
         Py_CLEAR(result);
         PyErr_SetString(PyExc_SystemError, "frame: size mismatch");
+    } else if (used < total) {
+        _PyBytes_Resize(&result, (Py_ssize_t)used);   /* shrinks in place; NULL with an error if not */
     }
 done:
+    if (staged)
+        for (Py_ssize_t j = 0; j < k; j++) PyMem_Free(staged[j]);
+    PyMem_Free(staged);
+    rows_release(&rows);
     PyMem_Free(bs);
     PyMem_Free(crcs);
     Py_XDECREF(cur_seq);
@@ -311,46 +458,33 @@ static PyObject *crc32c_py(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
-/* gather_rows(src, offsets, n, out, rows): out[rows[i]] = src[offsets[i] : offsets[i] + n] for
- * each i (rows None: row i). numpy's fancy index of a sliding window view costs ~7x memcpy here
- * (and np.take into `out` far more), and this copy is a third of what a feeder does. */
-static PyObject *gather_rows(PyObject *self, PyObject *args) {
-    Py_buffer src, offs, out, rows = {0};
+/* gather(bufs, which, offs, n, out): out[i] = bufs[which[i]][offs[i] : offs[i] + n] for each row i.
+ * numpy's fancy index of a sliding window view costs ~7x memcpy here (and np.take into `out`
+ * far more). */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *bufs_o, *which_o, *offs_o;
     Py_ssize_t n;
-    PyObject *rows_o;
-    if (!PyArg_ParseTuple(args, "y*y*nw*O", &src, &offs, &n, &out, &rows_o)) return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t k = offs.len / 8, isz = src.itemsize > 0 ? src.itemsize : 1;
-    if (rows_o != Py_None && PyObject_GetBuffer(rows_o, &rows, PyBUF_C_CONTIGUOUS) < 0) goto done;
-    if (n < 0 || offs.len % 8 || (rows.obj && rows.len != offs.len) || out.itemsize != isz || out.len % (n ? n * isz : 1)) {
-        PyErr_SetString(PyExc_ValueError, "gather_rows(src, offsets: int64[k], n, out: [m, n] of src's dtype, rows)");
-        goto done;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "OOOnw*", &bufs_o, &which_o, &offs_o, &n, &out)) return NULL;
+    rows_t rows;
+    Py_ssize_t isz = out.itemsize > 0 ? out.itemsize : 1;
+    if (rows_get(bufs_o, which_o, offs_o, n, isz, &rows) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
     }
-    Py_ssize_t src_items = src.len / isz, out_rows = n ? out.len / (n * isz) : 0;
-    const int64_t *ov = offs.buf, *rv = rows.obj ? rows.buf : NULL;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        int64_t r = rv ? rv[i] : i;
-        if (ov[i] < 0 || ov[i] + n > src_items || r < 0 || r >= out_rows) {
-            PyErr_Format(PyExc_IndexError, "gather_rows: row %zd (offset %lld, to row %lld) is out of range", i,
-                         (long long)ov[i], (long long)r);
-            goto done;
-        }
+    if (out.len != rows.k * n * isz) {
+        PyErr_Format(PyExc_ValueError, "gather: out has %zd bytes, %zd rows of %zd items need %zd", out.len, rows.k,
+                     n, rows.k * n * isz);
+        rows_release(&rows);
+        PyBuffer_Release(&out);
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    const char *s = src.buf;
-    char *o = out.buf;
-    size_t row = (size_t)(n * isz);
-    for (Py_ssize_t i = 0; i < k; i++)
-        memcpy(o + (size_t)(rv ? rv[i] : i) * row, s + (size_t)ov[i] * (size_t)isz, row);
+    rows_copy(&rows, 0, rows.k, (size_t)(n * isz), isz, out.buf);
     Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&offs);
+    rows_release(&rows);
     PyBuffer_Release(&out);
-    if (rows.obj) PyBuffer_Release(&rows);
-    return result;
+    Py_RETURN_NONE;
 }
 
 static PyObject *crc32c_soft_py(PyObject *self, PyObject *args) {
@@ -364,9 +498,8 @@ static PyObject *crc32c_soft_py(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"frame", frame, METH_VARARGS,
      "frame(tokens, payloads, ids, counts, epochs, steps, cursors, sample_len, itemsize, dtype, compression, "
-     "region) -> StreamReply bytes"},
-    {"gather_rows", gather_rows, METH_VARARGS,
-     "gather_rows(src, offsets, n, out, rows): out[rows[i]] = src[offsets[i]:offsets[i] + n]"},
+     "region, rows=None) -> StreamReply bytes"},
+    {"gather", gather, METH_VARARGS, "gather(bufs, which, offs, n, out): out[i] = bufs[which[i]][offs[i]:offs[i] + n]"},
     {"crc32c", crc32c_py, METH_VARARGS, "CRC-32C (Castagnoli) of any contiguous buffer."},
     {"crc32c_soft", crc32c_soft_py, METH_VARARGS, "The same by table (the fallback without SSE4.2; for tests)."},
     {NULL, NULL, 0, NULL}};

@@ -287,15 +287,15 @@ def test_jobs_without_streams_are_forgotten_after_the_idle_ttl():
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-gather", "numpy-fallback"])
 def test_read_many_equals_read_across_chunks_and_shards(dataset, monkeypatch, native):
-    """The run reader (one copy per chunk) against the per-sample reader, with samples that
+    """The run reader (locate, then one memcpy per row) against the per-sample reader, with samples that
     cross record-batch and shard boundaries; with the C gather and with numpy's (no compiler)."""
     from feeder.errors import InvalidArgument
     from feeder.sources import posix
     from feeder.sources.posix import open_source
 
-    assert posix._gather_rows is not None   # built at install
+    assert posix._gather is not None   # built at install
     if not native:
-        monkeypatch.setattr(posix, "_gather_rows", None)
+        monkeypatch.setattr(posix, "_gather", None)
 
     src = open_source(str(dataset))
     n = 65

@@ -76,16 +76,83 @@ def test_varint():
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
-def test_gather_rows_equals_slicing_and_refuses_rows_out_of_range(dtype):
-    src = np.arange(10_000, dtype=dtype)
-    src.setflags(write=False)   # memory-mapped chunks are read-only
-    offsets = np.array([17, 0, 10_000 - 9, 17], dtype=np.int64)
-    out = np.zeros((4, 9), dtype=dtype)
-    _native.gather_rows(src, offsets, 9, out, None)
-    assert (out == np.stack([src[o:o + 9] for o in offsets])).all()
-    scattered = np.zeros((6, 9), dtype=dtype)
-    _native.gather_rows(src, offsets[:2], 9, scattered, np.array([5, 2], dtype=np.int64))
-    assert (scattered[5] == src[17:26]).all() and (scattered[2] == src[0:9]).all() and not scattered[[0, 1, 3, 4]].any()
-    for bad_offsets, rows in (([10_000 - 8], None), ([-1], None), ([0], np.array([6], dtype=np.int64))):
+def test_gather_equals_slicing_from_several_buffers_and_refuses_rows_out_of_range(dtype):
+    a, b = np.arange(10_000, dtype=dtype), np.arange(50, 80, dtype=dtype)
+    a.setflags(write=False)   # memory-mapped chunks are read-only
+    which = np.array([0, 1, 0, 1, 0], dtype=np.int64)
+    offs = np.array([17, 0, 10_000 - 9, 30 - 9, 17], dtype=np.int64)
+    out = np.zeros((5, 9), dtype=dtype)
+    _native.gather([a, b], which, offs, 9, out)
+    assert (out == np.stack([(a, b)[w][o:o + 9] for w, o in zip(which, offs)])).all()
+    for bad_which, bad_off in (([0], [10_000 - 8]), ([0], [-1]), ([2], [0]), ([-1], [0]), ([1], [22])):
         with pytest.raises(IndexError, match="out of range"):
-            _native.gather_rows(src, np.array(bad_offsets, dtype=np.int64), 9, scattered, rows)
+            _native.gather([a, b], np.array(bad_which, dtype=np.int64), np.array(bad_off, dtype=np.int64), 9,
+                           out[:1])
+    with pytest.raises(ValueError, match="items of"):          # a buffer of another dtype
+        _native.gather([a.astype(np.uint8)], which[:1] * 0, offs[:1], 9, out[:1])
+    with pytest.raises(ValueError, match="out has"):
+        _native.gather([a, b], which, offs, 9, out[:4])
+
+
+def as_rows(b: Block, seed: int = 0) -> Block:
+    """The same block with its tokens as rows scattered over three buffers (as PosixSource.locate
+    gives them), for the writer that cuts them straight into the reply."""
+    from dataclasses import replace
+
+    from feeder.sources.posix import Rows
+
+    rng = np.random.default_rng(seed)
+    n = b.sample_len
+    which = rng.integers(0, 3, size=len(b.tokens)).astype(np.int64)
+    bufs = [rng.integers(0, 9, size=(len(b.tokens) + 3) * n + 1).astype(b.tokens.dtype) for _ in range(3)]
+    offs = np.zeros(len(b.tokens), dtype=np.int64)
+    for w in range(3):   # each row its own slot, in random order, one item off alignment
+        mine = np.flatnonzero(which == w)
+        offs[mine] = rng.permutation(len(b.tokens) + 3)[:len(mine)] * n + 1
+    for i, (w, o) in enumerate(zip(which, offs)):
+        bufs[w][o:o + n] = b.tokens[i]
+    return replace(b, tokens=None, rows=Rows(bufs, which, offs, n))
+
+
+def test_tokens_cut_straight_into_the_reply_give_protobufs_bytes_on_and_off_varint_boundaries():
+    """A batch's length prefix comes before its tokens but counts its checksum (0-6 bytes);
+    a batch whose prefix size depends on the checksum (a body just under 2^14) takes the
+    staged path. The cursor lengths walk the first batch's body across 16384."""
+    sample_len, kinds = (16384 - 120) // 2, set()
+    for cursor_len in range(72, 90):
+        for seed in range(3):
+            b = block([1, 1], sample_len=sample_len, cursor_len=cursor_len, seed=seed)
+            first = to_proto(b, "eu").batches[0]
+            first.crc32c = 0
+            kinds.add("staged" if (first.ByteSize() < 16384) != (first.ByteSize() + 6 < 16384) else "direct")
+            direct = _native.frame(None, None, b.ids, b.counts, b.epochs, b.steps, b.cursors, b.sample_len, 2,
+                                   wire.DTYPE_ENUM[b.dtype], wire.COMPRESSION_ENUM[b.compression], b"eu",
+                                   ([b.tokens.reshape(-1)], np.zeros(2, dtype=np.int64),
+                                    np.array([0, sample_len], dtype=np.int64)))
+            assert direct == to_proto(b, "eu").SerializeToString() == wire.encode_reply_py(b, "eu")
+    assert kinds == {"staged", "direct"}
+
+
+@pytest.mark.parametrize("counts", [[8], [8, 8, 3], [0], [1] * 200, [5, 0, 7]])
+def test_a_block_of_rows_frames_the_bytes_of_the_same_block_with_its_tokens(counts):
+    b = block(counts, sample_len=33)
+    r = as_rows(b)
+    assert r.tokens is None
+    assert np.array_equal(r.token_array(), b.tokens)
+    assert wire.encode_reply(r, "x") == wire.encode_reply(b, "x") == to_proto(b, "x").SerializeToString()
+    assert wire.encode_reply_py(r, "x") == wire.encode_reply_py(b, "x")   # without the C writer
+
+
+def test_the_c_writer_refuses_rows_that_do_not_match_the_counts():
+    b = block([4, 4])
+    buf = b.tokens.reshape(-1)
+    args = [None, None, b.ids, b.counts, b.epochs, b.steps, b.cursors, b.sample_len, 2, 1, 1, b""]
+    good = ([buf], np.zeros(8, dtype=np.int64), np.arange(8, dtype=np.int64) * 9)
+    assert _native.frame(*args, good) == wire.encode_reply_py(b, "")
+    for rows, err in (((([buf], good[1][:7], good[2][:7])), "rows has 7 rows"),
+                      (([buf], good[1], good[2] + 1), "out of range"),
+                      (None, "rows must be"), ((buf,), "rows must be")):
+        with pytest.raises((ValueError, IndexError), match=err):
+            _native.frame(*args, rows)
+    with pytest.raises(ValueError, match="payloads None"):   # compressed payloads come with their tokens
+        _native.frame(None, [b"x", b"y"], *args[2:], good)

@@ -18,6 +18,7 @@ import pyarrow as pa
 from feeder.cursor import CursorWriter
 from feeder.pipeline.plan import PlannedBatch, PlannedRun
 from feeder.sources import TokenSource
+from feeder.sources.posix import Rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +28,8 @@ class Block:
     steps: np.ndarray            # int64 [k]
     counts: np.ndarray           # int64 [k]: samples in each batch
     ids: np.ndarray              # int64 [sum(counts)]
-    tokens: np.ndarray | None    # [sum(counts), sample_len] in the source's (narrow) dtype, C-contiguous
+    tokens: np.ndarray | None    # [sum(counts), sample_len] in the source's (narrow) dtype, C-contiguous;
+                                 # None while `rows` says where they are
     cursors: list[bytes]         # resume right after each batch
     payloads: list[bytes] | None  # each batch's tokens compressed; None: the raw tokens are the payload
     dtype: str                   # "uint16" | "uint32"
@@ -37,6 +39,8 @@ class Block:
     raw_bytes: int               # of the tokens
     payload_bytes: int           # on the wire: raw_bytes, or the compressed size
     read_s: float = 0.0          # time spent reading the source for the whole block
+    rows: Rows | None = None     # uncompressed from a mapped source: where the tokens lie, for the
+                                 # reply writer to copy straight into the reply (one copy, not two)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -45,10 +49,18 @@ class Block:
     def n_tokens(self) -> int:
         return int(self.counts.sum()) * self.sample_len
 
-    def framed(self) -> "Block":
+    def framed(self, copy_s: float = 0.0) -> "Block":
         """This block without its tokens and payloads, once they are in the reply's bytes: a
-        queued message then holds its memory once, not twice."""
-        return dataclasses.replace(self, tokens=None, payloads=None)
+        queued message then holds its memory once, not twice. `copy_s`: time the reply writer
+        spent cutting rows from the source, which counts as reading it (that copy is where
+        a memory-mapped file is actually read)."""
+        return dataclasses.replace(self, tokens=None, payloads=None, rows=None, read_s=self.read_s + copy_s)
+
+    def token_array(self) -> np.ndarray:
+        """The tokens as one [sum(counts), sample_len] array (gathered if they are still rows)."""
+        if self.tokens is None and self.rows is not None:
+            return self.rows.gather(np.dtype(self.dtype))
+        return self.tokens
 
     def bounds(self) -> list[int]:
         """Row offsets of the batches in tokens/ids: batch j is rows [bounds[j], bounds[j + 1])."""
@@ -77,8 +89,16 @@ def _zstd(level: int) -> pa.Codec:
     return codec
 
 
-def _block(tokens: np.ndarray, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
-           samples_in_epoch: int, read_s: float) -> Block:
+def _block(tokens: np.ndarray | Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
+           samples_in_epoch: int, read_s: float, dtype: np.dtype) -> Block:
+    if isinstance(tokens, Rows):
+        if compression == "none":   # the reply writer cuts them into the reply
+            nbytes = len(tokens) * tokens.n * dtype.itemsize
+            return Block(epochs=epochs, steps=steps, counts=counts, ids=ids, tokens=None, rows=tokens,
+                         cursors=cursors, payloads=None, dtype=_NAMES.get(dtype) or _NAMES.setdefault(dtype, dtype.name),
+                         compression=compression, sample_len=tokens.n, samples_in_epoch=samples_in_epoch,
+                         raw_bytes=nbytes, payload_bytes=nbytes, read_s=read_s)
+        tokens = tokens.gather(dtype)
     tokens = np.ascontiguousarray(tokens)
     payloads = None
     if compression == "zstd":
@@ -100,7 +120,7 @@ def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int
     """The fast path: runs planned column-wise, all their tokens read in one pass."""
     ids = runs[0].ids if len(runs) == 1 else np.concatenate([r.ids for r in runs])
     t0 = time.perf_counter()
-    tokens = read_tokens(source, ids, seq_len)
+    tokens = source.locate(ids * seq_len, seq_len + 1) if hasattr(source, "locate") else read_tokens(source, ids, seq_len)
     read_s = time.perf_counter() - t0
     # The columns as Python lists, one numpy call each at the end: a message may hold several
     # short runs (an epoch ends inside it), and small numpy calls per run cost more than the loop.
@@ -116,7 +136,7 @@ def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int
         steps += range(r.step, r.step + len(stops))
     return _block(tokens, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
                   steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
-                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s)
+                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=source.dtype)
 
 
 def block_from_batches(source: TokenSource, planned: list[PlannedBatch], *, seq_len: int, compression: str,
@@ -135,4 +155,4 @@ def block_from_batches(source: TokenSource, planned: list[PlannedBatch], *, seq_
                   epochs=np.array([p.epoch for p in planned], dtype=np.int64),
                   steps=np.array([p.step for p in planned], dtype=np.int64),
                   cursors=[p.cursor.encode(secret) for p in planned], compression=compression, level=level,
-                  samples_in_epoch=planned[-1].samples_in_epoch, read_s=read_s)
+                  samples_in_epoch=planned[-1].samples_in_epoch, read_s=read_s, dtype=source.dtype)

@@ -318,7 +318,9 @@ class RankStream:
             self._deferred = e
             block = self._block(good)
         self._cap = min(2 * self._cap, MAX_BATCHES_PER_MESSAGE)
-        return block.framed(), self.serialize(block)
+        t0 = time.perf_counter()
+        wire = self.serialize(block)
+        return block.framed(time.perf_counter() - t0 if block.rows is not None else 0.0), wire
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()

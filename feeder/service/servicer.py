@@ -74,10 +74,10 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
 
 def to_proto(block: Block, region: str) -> pb.StreamReply:
     """The protobuf object of a reply (the stream itself sends wire.encode_reply's bytes)."""
-    bounds, out = block.bounds(), []
+    bounds, tokens, out = block.bounds(), block.token_array(), []
     for j in range(len(block)):
         a, b = bounds[j], bounds[j + 1]
-        raw = block.tokens[a:b].tobytes()
+        raw = tokens[a:b].tobytes()
         out.append(pb.Batch(epoch=int(block.epochs[j]), step=int(block.steps[j]), n=b - a, sample_len=block.sample_len,
                             dtype=DTYPE_ENUM[block.dtype], compression=COMPRESSION_ENUM[block.compression],
                             tokens=raw if block.payloads is None else block.payloads[j],

@@ -10,6 +10,7 @@ the same bytes, and that protobuf parses them into exactly the message it would 
 from __future__ import annotations
 
 import google_crc32c
+import numpy as np
 
 from feeder.pipeline.batcher import Block
 from feeder.service.servicer import COMPRESSION_ENUM, DTYPE_ENUM
@@ -49,10 +50,10 @@ def _varints(fields) -> bytes:
 def encode_reply_py(block: Block, region: str) -> bytes:
     parts = []
     dtype, comp, sample_len = DTYPE_ENUM[block.dtype], COMPRESSION_ENUM[block.compression], block.sample_len
-    bounds = block.bounds()
+    bounds, tokens = block.bounds(), block.token_array()
     for j in range(len(block)):
         a, b = bounds[j], bounds[j + 1]
-        raw = block.tokens[a:b].tobytes()
+        raw = tokens[a:b].tobytes()
         payload = raw if block.payloads is None else block.payloads[j]
         body = [_varints(((1, int(block.epochs[j])), (2, int(block.steps[j])), (3, b - a), (4, sample_len),
                           (5, dtype), (6, comp))),
@@ -66,6 +67,8 @@ def encode_reply_py(block: Block, region: str) -> bytes:
 def encode_reply(block: Block, region: str) -> bytes:
     if _frame is None:
         return encode_reply_py(block, region)
+    rows = block.rows
     return _frame(block.tokens, block.payloads, block.ids, block.counts, block.epochs, block.steps, block.cursors,
-                  block.sample_len, block.tokens.itemsize, DTYPE_ENUM[block.dtype],
-                  COMPRESSION_ENUM[block.compression], region.encode())
+                  block.sample_len, np.dtype(block.dtype).itemsize, DTYPE_ENUM[block.dtype],
+                  COMPRESSION_ENUM[block.compression], region.encode(),
+                  None if rows is None else (rows.bufs, rows.which, rows.offs))

@@ -23,9 +23,9 @@ from feeder import manifest as mf
 from feeder.errors import DataLoss, InvalidArgument, NotFound
 
 try:
-    from feeder._native import gather_rows as _gather_rows   # memcpy per sample, without the GIL
+    from feeder._native import gather as _gather   # memcpy per sample, without the GIL
 except ImportError:  # no C compiler at install: numpy's fancy index
-    _gather_rows = None
+    _gather = None
 log = logging.getLogger("feeder.source")
 
 
@@ -87,31 +87,32 @@ class PosixSource:
             done += take
             k += 1
 
-    def read_many(self, starts: np.ndarray, n: int) -> np.ndarray:
-        """[len(starts), n] tokens, row i from starts[i]: one copy per chunk touched (the samples
-        of a run that lie in one chunk are cut by one gather) instead of one Python call per
-        sample; the rare sample across a chunk boundary goes through read()."""
+    def locate(self, starts: np.ndarray, n: int) -> Rows:
+        """Where rows [starts[i], starts[i] + n) lie, without copying them: row i is
+        bufs[which[i]][offs[i]:offs[i] + n]. The buffers are the verified chunks (views of the
+        memory map, or decoded Parquet), plus one array holding the rare rows that cross a
+        chunk boundary, read here."""
         starts = np.asarray(starts, dtype=np.int64)
-        out = np.empty((len(starts), n), dtype=self.dtype)
         if len(starts) and (starts.min() < 0 or starts.max() + n > self.n_tokens):
             bad = int(starts[(starts < 0) | (starts + n > self.n_tokens)][0])
             raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {self.n_tokens}")
         ks = np.searchsorted(self._starts_np, starts, side="right") - 1
-        inside = starts + n <= self._starts_np[ks + 1]
-        # Rows grouped by chunk with one sort (a run over a large dataset touches hundreds of
-        # chunks; a mask per chunk would make that quadratic), then one copy per chunk.
-        rows = np.flatnonzero(inside)
-        rows = rows[np.argsort(ks[rows], kind="stable")]
-        for sel in np.split(rows, np.flatnonzero(np.diff(ks[rows])) + 1) if len(rows) else ():
-            k = int(ks[sel[0]])
-            arr = self._chunk(k)
-            if _gather_rows is not None:
-                _gather_rows(arr, starts[sel] - self._starts[k], n, out, sel)
-            else:
-                out[sel] = np.lib.stride_tricks.sliding_window_view(arr, n)[starts[sel] - self._starts[k]]
-        for i in np.flatnonzero(~inside).tolist():
-            self.read(int(starts[i]), out[i])
-        return out
+        chunks, which = np.unique(ks, return_inverse=True)   # a run touches few chunks; each loaded once
+        bufs = [self._chunk(int(k)) for k in chunks.tolist()]
+        offs = starts - self._starts_np[ks]
+        across = np.flatnonzero(starts + n > self._starts_np[ks + 1])
+        if len(across):
+            extra = np.empty((len(across), n), dtype=self.dtype)
+            for j, i in enumerate(across.tolist()):
+                self.read(int(starts[i]), extra[j])
+            which[across], offs[across] = len(bufs), np.arange(len(across), dtype=np.int64) * n
+            bufs.append(extra.reshape(-1))
+        return Rows(bufs, which.astype(np.int64, copy=False), offs, n)
+
+    def read_many(self, starts: np.ndarray, n: int) -> np.ndarray:
+        """[len(starts), n] tokens, row i from starts[i]: one memcpy per row (no Python call
+        per sample)."""
+        return self.locate(starts, n).gather(self.dtype)
 
     def _chunk(self, k: int) -> np.ndarray:
         arr = self._mapped.get(k)
@@ -163,6 +164,29 @@ class PosixSource:
         shard = self.manifest.shards[si]
         table = pq.ParquetFile(str(self.root / shard.path)).read_row_group(ci, columns=[shard.tokens_column])
         return with_eos(table.column(0).combine_chunks(), self.eos_id, self.dtype)
+
+
+class Rows:
+    """Rows of n tokens cut from a few buffers: row i is bufs[which[i]][offs[i]:offs[i] + n]
+    (what PosixSource.locate returns; the reply writer copies them straight into the reply)."""
+
+    __slots__ = ("bufs", "which", "offs", "n")
+
+    def __init__(self, bufs: list[np.ndarray], which: np.ndarray, offs: np.ndarray, n: int):
+        self.bufs, self.which, self.offs, self.n = bufs, which, offs, n
+
+    def __len__(self) -> int:
+        return len(self.which)
+
+    def gather(self, dtype: np.dtype) -> np.ndarray:
+        out = np.empty((len(self.which), self.n), dtype=dtype)
+        if _gather is not None:
+            _gather(self.bufs, self.which, self.offs, self.n, out)
+        else:
+            for b, buf in enumerate(self.bufs):
+                sel = np.flatnonzero(self.which == b)
+                out[sel] = np.lib.stride_tricks.sliding_window_view(buf, self.n)[self.offs[sel]]
+        return out
 
 
 def with_eos(lists: pa.Array, eos_id: int, dtype: np.dtype) -> np.ndarray:

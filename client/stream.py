@@ -202,7 +202,7 @@ def measure_rtt(channel: grpc.Channel, probes: int = 3, timeout: float = 3.0) ->
             t0 = time.perf_counter()
             stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             best = min(best, time.perf_counter() - t0)
-    except grpc.RpcError:
+    except (grpc.RpcError, ValueError):   # ValueError: the channel was closed
         return float("inf")
     return best
 
@@ -298,6 +298,8 @@ class FeederClient:
                 self._call.cancel()
         self._q.clear()  # unblock a reader waiting for room
         self._thread.join(5)
+        if self._watchdog.ident is not None:   # it may be mid-report: let it finish before its channel goes
+            self._watchdog.join(5)
         for ch in self._channels.values():
             ch.close()
 
@@ -494,7 +496,7 @@ class FeederClient:
                                          step_s=step, batches=n, has_position=pos is not None,
                                          epoch=pos[0] if pos else 0, step=pos[1] if pos else 0), timeout=2,
                         metadata=self.cfg.security.metadata())
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):   # ValueError: the channel closed under it (close())
             pass  # reporting is best effort; the data path must not suffer for it
 
 

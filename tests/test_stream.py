@@ -348,3 +348,34 @@ def test_fast_path_frames_exactly_what_the_batch_by_batch_path_frames(dataset, w
     # and split at every point a message may cut a run
     head, tail = runs[0].split(2)
     assert list(head.stops) + list(tail.stops) == list(runs[0].stops) and tail.step == runs[0].step + 2
+
+
+def test_closing_a_client_while_it_reports_prints_no_traceback(feeder, monkeypatch):
+    """close() shuts its channels: the watchdog thread, mid-report, must finish first (a
+    report on a closed channel raised ValueError in that thread, a traceback for the user)."""
+    import threading
+    import time
+
+    from client.stream import ClientConfig, FeederClient
+    from feeder.config import StreamSpec
+
+    died = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    report = FeederClient._maybe_report
+
+    def slow_report(self, stub):   # a report that is still on its way when close() begins
+        self._stop.wait()
+        time.sleep(0.3)
+        self._report = [0.0, 0.0, 1, 0.0]
+        return report(self, stub)
+
+    monkeypatch.setattr(FeederClient, "_maybe_report", slow_report)
+    spec = StreamSpec(job="close-while-reporting", rank=0, world_size=1, seq_len=16, micro_batch=2, num_epochs=0)
+    cli = FeederClient(ClientConfig(targets=(feeder.address,), spec=spec, report_every_s=0.01))
+    it = iter(cli)
+    for _ in range(10):
+        next(it)
+    time.sleep(0.1)   # the watchdog is inside its report
+    cli.close()
+    assert not cli._watchdog.is_alive()
+    assert not died, died

@@ -173,6 +173,16 @@ def _grpc_server(port_q, seconds, size):
     loop.run_until_complete(main())
 
 
+def raw_grpc_shared_mb_s(clients: "Clients", seconds: float, size: int, streams: int) -> float:
+    """The bare grpc.aio server taken by `streams` counting streams in the client processes,
+    as the feeder is: what stock gRPC does when the clients share the cores with it."""
+    p, port = _serve_in_process(_grpc_server, seconds + 4, size)
+    try:
+        return clients.count([f"127.0.0.1:{port}"], None, streams, seq_len=0, mb=0, seconds=seconds)["tokens_s"] * 2 / 1e6
+    finally:
+        p.join(20)
+
+
 def raw_grpc_mb_s(seconds: float, size: int) -> float:
     import grpc
 
@@ -300,7 +310,8 @@ def _drive(args) -> dict:
 def _drive_counting(args) -> dict:
     """In a client process: `ranks` feeder streams that only count what arrives, as the
     ceilings' clients do (tokens per byte taken from each stream's first reply), so the figure
-    is what the feeders serve, not what this machine's cores can also decode."""
+    is what the feeders serve, not what this machine's cores can also decode. job None: the
+    bare gRPC server's stream instead (2 bytes a token)."""
     addresses, job, ranks, world, seq_len, mb, seconds, warm_s = args
     import grpc
 
@@ -313,16 +324,20 @@ def _drive_counting(args) -> dict:
         ch = grpc.insecure_channel(addresses[0], options=[("grpc.max_receive_message_length", 256 << 20),
                                                           ("grpc.use_local_subchannel_pool", 1)])
         try:
-            call = ch.unary_stream("/feeder.v1.Feeder/Stream", request_serializer=pb.StreamRequest.SerializeToString,
-                                   response_deserializer=None)(pb.StreamRequest(
-                                       job=job, rank=r, world_size=world, seq_len=seq_len, micro_batch=mb,
-                                       num_epochs=0, seed=1, compression=pb.COMPRESSION_NONE))
-            per_byte = 0.0
+            if job is None:
+                call = ch.unary_stream("/bench.Raw/Stream", request_serializer=None, response_deserializer=None)(b"")
+            else:
+                call = ch.unary_stream("/feeder.v1.Feeder/Stream",
+                                       request_serializer=pb.StreamRequest.SerializeToString,
+                                       response_deserializer=None)(pb.StreamRequest(
+                                           job=job, rank=r, world_size=world, seq_len=seq_len, micro_batch=mb,
+                                           num_epochs=0, seed=1, compression=pb.COMPRESSION_NONE))
+            per_byte = 0.0 if job is not None else 0.5
             t_end = None
             got = 0
             for msg in call:
-                if not per_byte:
-                    per_byte = sum(b.n * b.sample_len for b in pb.StreamReply.FromString(msg).batches) / len(msg)
+                if t_end is None:
+                    per_byte = per_byte or sum(b.n * b.sample_len for b in pb.StreamReply.FromString(msg).batches) / len(msg)
                     t_start = time.monotonic() + warm_s
                     t_end = t_start + seconds
                     continue
@@ -612,6 +627,8 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
     clients = Clients()
     feeders: list[Feeder] = []
     try:
+        say(f"the bare grpc.aio stream again, taken by {N} counting streams in {clients.n} client processes")
+        res["raw_grpc_shared_mb_s"] = raw_grpc_shared_mb_s(clients, secs, cfg.message_bytes, N)
         f = Feeder(data["shards"], message_bytes=cfg.message_bytes)
         feeders.append(f)
         say(f"feeder: {N} ranks, compression off")
@@ -738,6 +755,8 @@ def table(r: dict) -> str:
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s"),
         ("raw_grpc_mb_s", f"{r['raw_grpc_mb_s']:,.0f} MB/s"),
+        ("raw_grpc_shared_mb_s", f"{r.get('raw_grpc_shared_mb_s', 0):,.0f} MB/s ({r['config']['ranks']} counting streams, "
+                                 "as the feeder's)"),
         ("feeder_tokens_s", f"{r['feeder_tokens_s'] / 1e6:,.1f} M tok/s ({r['config']['ranks']} ranks, none, served)"),
         ("feeder_decoded_tokens_s", f"{r['feeder_decoded_tokens_s'] / 1e6:,.1f} M tok/s (ranks decode into tensors)"),
         ("feeder_mb_s", f"{r['feeder_mb_s']:,.0f} MB/s"),

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "feeder_tokens_s", "feeder_decoded_tokens_s", "feeder_mb_s",
+FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_shared_mb_s", "feeder_tokens_s", "feeder_decoded_tokens_s", "feeder_mb_s",
           "feeder_zstd_tokens_s",
           "local_tokens_s", "client_cpu_s_per_mtok", "local_cpu_s_per_mtok", "ttfb_s", "resume_s",
           "wire_bytes_per_token", "feeder_rss_mb", "max_streams", "scaling", "scaling_decoding_clients", "curve", "ratios", "versions",
@@ -27,7 +27,7 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     missing = [f for f in FIELDS if f not in res]
     assert not missing, missing
     assert res["feeder_tokens_s"] > 0 and res["feeder_decoded_tokens_s"] > 0 and res["local_tokens_s"] > 0
-    assert res["raw_grpc_mb_s"] > 0 and not res["feeder_errors"]
+    assert res["raw_grpc_mb_s"] > 0 and res["raw_grpc_shared_mb_s"] > 0 and not res["feeder_errors"]
     assert res["max_streams"] == res["max_streams_tried"] == 64, res["max_streams_errors"]
     assert res["wire_bytes_per_token"] < 4.0        # BPE ids in uint16, compressed
     assert res["dataset"]["vocab_size"] < 65536

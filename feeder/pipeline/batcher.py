@@ -1,10 +1,10 @@
-"""Planned batches -> a Block: their tokens gathered from the source in one pass, cursors
-written, payloads compressed. One Block is what one reply carries.
+"""Planned batches -> a Block: where their tokens lie in the source (or, compressed or from
+a source without `locate`, the tokens gathered in one pass), cursors written, payloads
+compressed. One Block is what one reply carries.
 
-Runs on the prefetch threads; the numpy copies, zstd and (in the wire writer) crc32c release
-the GIL. A feeder process serves every rank from one GIL, so the work here is done per block
-(a fancy-index copy per chunk touched, a vectorized plan, precomputed cursor heads) rather
-than per batch or per sample.
+Runs on the prefetch threads; the copies, zstd and (in the wire writer) crc32c release the
+GIL. A feeder process serves every rank from one GIL, so the work here is done per block (one
+locate per run, a vectorized plan, precomputed cursor heads) rather than per batch or sample.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class Block:
 
 def read_tokens(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
     """[len(ids), seq_len + 1] tokens; sample i starts at token i * seq_len. Sources with
-    read_many cut them with one copy per chunk touched, others are read sample by sample."""
+    read_many cut them in one call (a memcpy per row), others are read sample by sample."""
     if hasattr(source, "read_many"):
         return source.read_many(ids * seq_len, seq_len + 1)
     out = np.empty((len(ids), seq_len + 1), dtype=source.dtype)

@@ -175,8 +175,20 @@ def test_status_names_every_rank_of_two_jobs_with_progress_and_watch_exits_on_ct
         reader.join(5)
         os.close(master)
         assert b"region=eu-west" in seen and b"Traceback" not in seen
+
+        from feeder.status import fetch
+
+        assert max(r.queue_depth for j in fetch(f.address).jobs for r in j.ranks) > 0   # slow readers: queued replies
         for ds, _ in its:
             ds.client.close()
+        # Once the ranks are gone, status shows no queue for them (not the last depth it saw).
+        deadline = time.monotonic() + 15
+        while True:
+            ranks = [r for j in fetch(f.address).jobs for r in j.ranks]
+            if not any(r.connected for r in ranks) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(ranks) == 5 and all(not r.connected and r.queue_depth == 0 for r in ranks), ranks
     finally:
         f.stop()
 

@@ -183,6 +183,7 @@ class Jobs:
             del j.streams[slot]
         if not any(r == spec.rank for r, _ in j.streams):
             j.ranks[spec.rank].connected = False
+            j.ranks[spec.rank].queue_depth = 0   # its queue went with its stream
         if not j.streams:
             j.idle_since = self.clock()
 
@@ -347,6 +348,8 @@ class RankStream:
                         return
                 self._items.append((built, size))
                 self._bytes += size
+                if self.state is not None:   # status shows the queue as it is, not as at the last send
+                    self.state.queue_depth = len(self._items)
                 self._changed.set()
         except asyncio.CancelledError:
             raise

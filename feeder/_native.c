@@ -180,7 +180,8 @@ static int get_i64(PyObject *obj, Py_buffer *view, Py_ssize_t want, const char *
 /* Rows cut from several buffers: row i is bufs[which[i]][offs[i] : offs[i] + n] (items). The
  * feeder's mapped chunks are the buffers; the views keep them alive while the GIL is released. */
 typedef struct {
-    Py_ssize_t nbufs, k;
+    Py_ssize_t nbufs, k, itemsize;
+    size_t row_bytes;   /* n items */
     Py_buffer *bufs;
     Py_buffer which, offs;
 } rows_t;
@@ -227,6 +228,8 @@ static int rows_get(PyObject *bufs_o, PyObject *which_o, PyObject *offs_o, Py_ss
         return -1;
     }
     r->k = r->which.len / 8;
+    r->itemsize = itemsize;
+    r->row_bytes = (size_t)n * (size_t)itemsize;
     const int64_t *wv = r->which.buf, *ov = r->offs.buf;
     for (Py_ssize_t i = 0; i < r->k; i++) {
         if (wv[i] < 0 || wv[i] >= r->nbufs || ov[i] < 0 || ov[i] + n > r->bufs[wv[i]].len / itemsize) {
@@ -240,16 +243,15 @@ static int rows_get(PyObject *bufs_o, PyObject *which_o, PyObject *offs_o, Py_ss
 }
 
 /* Rows [first, first + count) back to back at o; returns the end. Call without the GIL. */
-static unsigned char *rows_copy(const rows_t *r, Py_ssize_t first, Py_ssize_t count, size_t row_bytes,
-                                Py_ssize_t itemsize, unsigned char *o) {
+static unsigned char *rows_copy(const rows_t *r, Py_ssize_t first, Py_ssize_t count, unsigned char *o) {
     const int64_t *wv = r->which.buf, *ov = r->offs.buf;
-    for (Py_ssize_t i = first; i < first + count; i++, o += row_bytes)
-        memcpy(o, (const unsigned char *)r->bufs[wv[i]].buf + (size_t)ov[i] * (size_t)itemsize, row_bytes);
+    for (Py_ssize_t i = first; i < first + count; i++, o += r->row_bytes)
+        memcpy(o, (const unsigned char *)r->bufs[wv[i]].buf + (size_t)ov[i] * (size_t)r->itemsize, r->row_bytes);
     return o;
 }
 
 /* frame(tokens, payloads, ids, counts, epochs, steps, cursors, sample_len, itemsize, dtype,
- *       compression, region) -> bytes
+ *       compression, region, rows=None) -> bytes
  *   tokens:   every batch's raw tokens back to back (batch j: counts[j] * sample_len items)
  *   payloads: None (the raw tokens are the payload) or k bytes (compressed), field 7
  *   ids:      int64 sample ids back to back (sum(counts)); counts, epochs, steps: int64 [k]
@@ -349,7 +351,6 @@ static PyObject *frame(PyObject *self, PyObject *args) {
          * the tokens go straight into the reply and the prefix is written after them; the rare
          * batch on a varint boundary is cut into a buffer of its own first (staged). */
         Py_ssize_t first = 0;
-        size_t row_bytes = (size_t)(sample_len * itemsize);
         for (Py_ssize_t j = 0; j < k; j++) {
             size_t lo = batch_body(&bs[j], sample_len, dtype, comp, 0);
             if (varint_len(lo) != varint_len(lo + 6)) {
@@ -362,7 +363,7 @@ static PyObject *frame(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t j = 0; j < k; first += (Py_ssize_t)bs[j].n, j++)
             if (staged[j]) {
-                rows_copy(&rows, first, (Py_ssize_t)bs[j].n, row_bytes, (Py_ssize_t)itemsize, staged[j]);
+                rows_copy(&rows, first, (Py_ssize_t)bs[j].n, staged[j]);
                 crcs[j] = crc32c(0, staged[j], bs[j].raw_size);
             }
         Py_END_ALLOW_THREADS
@@ -405,7 +406,7 @@ static PyObject *frame(PyObject *self, PyObject *args) {
                 *o++ = (unsigned char)(7 << 3 | 2);
                 o = put_varint(o, b->raw_size);
                 unsigned char *tok = o;
-                o = rows_copy(&rows, first, (Py_ssize_t)b->n, (size_t)(sample_len * itemsize), (Py_ssize_t)itemsize, o);
+                o = rows_copy(&rows, first, (Py_ssize_t)b->n, o);
                 crcs[j] = crc32c(0, tok, b->raw_size);
             }
         } else {
@@ -415,10 +416,8 @@ static PyObject *frame(PyObject *self, PyObject *args) {
         o = put_ldfield(o, 9, b->cursor, b->cursor_len);
         o = put_vfield(o, 10, b->raw_size);
         o = put_vfield(o, 11, crcs[j]);
-        if (in_place) {   /* same size as reserved: the bound and the real body differ by < 6 */
-            unsigned char *end = put_varint(prefix, (uint64_t)(o - body));
-            (void)end;
-        }
+        if (in_place)   /* same size as reserved: the bound and the real body differ by < 6 */
+            put_varint(prefix, (uint64_t)(o - body));
     }
     o = put_ldfield(o, 2, region.buf, (size_t)region.len);   /* StreamReply.region */
     Py_END_ALLOW_THREADS
@@ -480,7 +479,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    rows_copy(&rows, 0, rows.k, (size_t)(n * isz), isz, out.buf);
+    rows_copy(&rows, 0, rows.k, out.buf);
     Py_END_ALLOW_THREADS
     rows_release(&rows);
     PyBuffer_Release(&out);

@@ -180,6 +180,7 @@ def raw_grpc_shared_mb_s(clients: "Clients", seconds: float, size: int, streams:
     try:
         return clients.count([f"127.0.0.1:{port}"], None, streams, seq_len=0, mb=0, seconds=seconds)["tokens_s"] * 2 / 1e6
     finally:
+        p.terminate()   # counted: no need to wait out its streams' margin
         p.join(20)
 
 

@@ -10,7 +10,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-
 from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor

@@ -125,10 +125,7 @@ def test_tokens_cut_straight_into_the_reply_give_protobufs_bytes_on_and_off_vari
             first = to_proto(b, "eu").batches[0]
             first.crc32c = 0
             kinds.add("staged" if (first.ByteSize() < 16384) != (first.ByteSize() + 6 < 16384) else "direct")
-            direct = _native.frame(None, None, b.ids, b.counts, b.epochs, b.steps, b.cursors, b.sample_len, 2,
-                                   wire.DTYPE_ENUM[b.dtype], wire.COMPRESSION_ENUM[b.compression], b"eu",
-                                   ([b.tokens.reshape(-1)], np.zeros(2, dtype=np.int64),
-                                    np.array([0, sample_len], dtype=np.int64)))
+            direct = wire.encode_reply(as_rows(b, seed), "eu")   # the C writer, cutting rows into the reply
             assert direct == to_proto(b, "eu").SerializeToString() == wire.encode_reply_py(b, "eu")
     assert kinds == {"staged", "direct"}
 

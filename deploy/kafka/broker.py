@@ -107,7 +107,6 @@ def _ready(port: int) -> bool:
         return False
 
 
-
 def _cluster_id() -> str:
     """A random Kafka cluster id, as Kafka's own Uuid.randomUuid makes it.
 
@@ -119,6 +118,7 @@ def _cluster_id() -> str:
         cluster = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         if not cluster.startswith("-"):
             return cluster
+
 
 def start(port: int, fresh: bool = True, timeout: float = 90.0) -> None:
     if _pid() is not None:

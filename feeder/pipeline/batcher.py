@@ -91,28 +91,25 @@ def _zstd(level: int) -> pa.Codec:
 
 def _block(tokens: np.ndarray | Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
            samples_in_epoch: int, read_s: float, dtype: np.dtype) -> Block:
-    if isinstance(tokens, Rows):
-        if compression == "none":   # the reply writer cuts them into the reply
-            nbytes = len(tokens) * tokens.n * dtype.itemsize
-            return Block(epochs=epochs, steps=steps, counts=counts, ids=ids, tokens=None, rows=tokens,
-                         cursors=cursors, payloads=None, dtype=_NAMES.get(dtype) or _NAMES.setdefault(dtype, dtype.name),
-                         compression=compression, sample_len=tokens.n, samples_in_epoch=samples_in_epoch,
-                         raw_bytes=nbytes, payload_bytes=nbytes, read_s=read_s)
-        tokens = tokens.gather(dtype)
-    tokens = np.ascontiguousarray(tokens)
-    payloads = None
-    if compression == "zstd":
-        codec, at = _zstd(level), 0
-        payloads = []
-        for k in counts.tolist():
-            payloads.append(codec.compress(tokens[at:at + k], asbytes=True))
-            at += k
-    dt = tokens.dtype
-    return Block(epochs=epochs, steps=steps, counts=counts, ids=ids, tokens=tokens, cursors=cursors,
-                 payloads=payloads, dtype=_NAMES.get(dt) or _NAMES.setdefault(dt, dt.name),
-                 compression=compression, sample_len=tokens.shape[1], samples_in_epoch=samples_in_epoch,
-                 raw_bytes=tokens.nbytes, read_s=read_s,
-                 payload_bytes=tokens.nbytes if payloads is None else sum(map(len, payloads)))
+    rows, payloads = None, None
+    if isinstance(tokens, Rows) and compression == "none":   # the reply writer cuts them into the reply
+        rows, tokens = tokens, None
+        sample_len = rows.n
+        raw_bytes = len(rows) * sample_len * dtype.itemsize
+    else:
+        tokens = np.ascontiguousarray(tokens.gather(dtype) if isinstance(tokens, Rows) else tokens)
+        dtype, sample_len, raw_bytes = tokens.dtype, tokens.shape[1], tokens.nbytes
+        if compression == "zstd":
+            codec, at = _zstd(level), 0
+            payloads = []
+            for k in counts.tolist():
+                payloads.append(codec.compress(tokens[at:at + k], asbytes=True))
+                at += k
+    return Block(epochs=epochs, steps=steps, counts=counts, ids=ids, tokens=tokens, rows=rows, cursors=cursors,
+                 payloads=payloads, dtype=_NAMES.get(dtype) or _NAMES.setdefault(dtype, dtype.name),
+                 compression=compression, sample_len=sample_len, samples_in_epoch=samples_in_epoch,
+                 raw_bytes=raw_bytes, read_s=read_s,
+                 payload_bytes=raw_bytes if payloads is None else sum(map(len, payloads)))
 
 
 def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,

@@ -28,11 +28,18 @@ def test_cursor_from_another_deployment_is_refused():
         Cursor.decode(C.encode(b"secret-a"), b"secret-b")
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
 @pytest.mark.parametrize("secret", [b"", b"k", b"x" * 100])   # the dev secret, short, longer than a block
-def test_cursor_writer_writes_what_encode_writes(secret):
+def test_cursor_writer_writes_what_encode_writes(secret, native, monkeypatch):
     import dataclasses
 
+    from feeder import cursor
     from feeder.cursor import CursorWriter
+
+    if not native:
+        monkeypatch.setattr(cursor, "_native_cursors", None)
+    else:
+        assert cursor._native_cursors is not None, "the C extension is built by make env"
 
     w = CursorWriter(dataclasses.replace(C, src="topic:0-9"), secret)
     for world in (4, 3, 4):   # a segment re-dealt to 3 ranks, and back: one head per world size
@@ -41,3 +48,31 @@ def test_cursor_writer_writes_what_encode_writes(secret):
                 .encode(secret) for pos, step in ((8, 11), (16, 12), (19, 13))]
         assert got == want
         assert Cursor.decode(got[-1], secret).pos == 19
+
+
+def test_native_cursor_macs_equal_hmac_for_heads_of_every_length():
+    """The C HMAC-SHA256 against the standard library: heads of 0-300 bytes put the cursor's
+    tail at every offset of a SHA-256 block, so both one and two final blocks occur."""
+    import hmac
+    import random
+    import struct
+
+    from feeder._native import cursors
+
+    rnd = random.Random(7)
+    for n in range(301):
+        key, head = rnd.randbytes(64), rnd.randbytes(n)
+        stops = [rnd.getrandbits(63) for _ in range(3)]
+        epoch, base, first = rnd.getrandbits(32), rnd.getrandbits(64), rnd.getrandbits(40)
+        want = []
+        for j, pos in enumerate(stops):
+            body = head + struct.pack(">IQQQ", epoch, base, pos, first + j + 1)
+            want.append(body + hmac.digest(key, body, "sha256")[:16])
+        assert cursors(key, head, epoch, base, stops, first) == want, n
+    assert cursors(key, head, 1, 2, [], 0) == []
+    with pytest.raises(ValueError, match="64-byte"):
+        cursors(b"short", head, 1, 2, [3], 0)
+    with pytest.raises(OverflowError, match="32 bits"):
+        cursors(key, head, 1 << 32, 2, [3], 0)
+    with pytest.raises(OverflowError):
+        cursors(key, head, 1, 2, [-1], 0)

@@ -173,12 +173,13 @@ def _grpc_server(port_q, seconds, size):
     loop.run_until_complete(main())
 
 
-def raw_grpc_shared_mb_s(clients: "Clients", seconds: float, size: int, streams: int) -> float:
+def raw_grpc_shared_mb_s(clients: "Clients", seconds: float, size: int, streams: int, reader: str = "grpcio") -> float:
     """The bare grpc.aio server taken by `streams` counting streams in the client processes,
     as the feeder is: what stock gRPC does when the clients share the cores with it."""
     p, port = _serve_in_process(_grpc_server, seconds + 4, size)
     try:
-        return clients.count([f"127.0.0.1:{port}"], None, streams, seq_len=0, mb=0, seconds=seconds)["tokens_s"] * 2 / 1e6
+        got = clients.count([f"127.0.0.1:{port}"], None, streams, seq_len=0, mb=0, seconds=seconds, reader=reader)
+        return got["tokens_s"] * 2 / 1e6
     finally:
         p.terminate()   # counted: no need to wait out its streams' margin
         p.join(20)
@@ -203,6 +204,20 @@ def raw_grpc_mb_s(seconds: float, size: int) -> float:
     ch.close()
     p.join(15)
     return got / dt / 1e6
+
+
+def raw_grpc_h2_mb_s(seconds: float, size: int) -> float:
+    """raw_grpc_mb_s's server read by the bench's minimal HTTP/2 reader instead of grpcio: what
+    the stock grpc.aio server sends when its reader takes little of the cores."""
+    from feeder.h2count import count_stream
+
+    p, port = _serve_in_process(_grpc_server, seconds + 2, size)
+    try:
+        got = count_stream(f"127.0.0.1:{port}", "/bench.Raw/Stream", b"", seconds=seconds, warm_s=0.5)
+        return got.bytes / got.seconds / 1e6
+    finally:
+        p.terminate()
+        p.join(15)
 
 
 # --------------------------------------------------------------------------- feeder processes
@@ -312,33 +327,40 @@ def _drive_counting(args) -> dict:
     """In a client process: `ranks` feeder streams that only count what arrives, as the
     ceilings' clients do (tokens per byte taken from each stream's first reply), so the figure
     is what the feeders serve, not what this machine's cores can also decode. job None: the
-    bare gRPC server's stream instead (2 bytes a token)."""
-    addresses, job, ranks, world, seq_len, mb, seconds, warm_s = args
+    bare gRPC server's stream instead (2 bytes a token).
+
+    reader "grpcio": a grpcio channel per rank, as a rank's client has. "h2": the bench's
+    minimal HTTP/2 reader (feeder.h2count), which spends a third to a quarter of grpcio's CPU
+    per byte, so the readers take fewer of the cores the servers they measure run on."""
+    addresses, job, ranks, world, seq_len, mb, seconds, warm_s, reader = args
     import grpc
 
+    from feeder.h2count import count_stream
     from feeder.v1 import feeder_pb2 as pb
 
-    out = {"tokens": 0.0, "errors": []}
+    out = {"tokens": 0.0, "bytes": 0, "total": 0, "errors": []}
     lock = threading.Lock()
+    method = "/bench.Raw/Stream" if job is None else "/feeder.v1.Feeder/Stream"
+    request = b"" if job is None else pb.StreamRequest(
+        job=job, rank=0, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0, seed=1,
+        compression=pb.COMPRESSION_NONE)
 
-    def rank_loop(r):
+    def per_byte(first: bytes) -> float:
+        if job is None:
+            return 0.5
+        return sum(b.n * b.sample_len for b in pb.StreamReply.FromString(first).batches) / len(first)
+
+    def with_grpcio(r) -> tuple[float, int, int]:
         ch = grpc.insecure_channel(addresses[0], options=[("grpc.max_receive_message_length", 256 << 20),
                                                           ("grpc.use_local_subchannel_pool", 1)])
         try:
-            if job is None:
-                call = ch.unary_stream("/bench.Raw/Stream", request_serializer=None, response_deserializer=None)(b"")
-            else:
-                call = ch.unary_stream("/feeder.v1.Feeder/Stream",
-                                       request_serializer=pb.StreamRequest.SerializeToString,
-                                       response_deserializer=None)(pb.StreamRequest(
-                                           job=job, rank=r, world_size=world, seq_len=seq_len, micro_batch=mb,
-                                           num_epochs=0, seed=1, compression=pb.COMPRESSION_NONE))
-            per_byte = 0.0 if job is not None else 0.5
-            t_end = None
-            got = 0
+            call = ch.unary_stream(method, request_serializer=None, response_deserializer=None)(
+                request if job is None else _for_rank(request, r))
+            t_end, got, total, scale = None, 0, 0, 0.0
             for msg in call:
+                total += len(msg)
                 if t_end is None:
-                    per_byte = per_byte or sum(b.n * b.sample_len for b in pb.StreamReply.FromString(msg).batches) / len(msg)
+                    scale = per_byte(msg)
                     t_start = time.monotonic() + warm_s
                     t_end = t_start + seconds
                     continue
@@ -348,20 +370,39 @@ def _drive_counting(args) -> dict:
                 if now >= t_start:
                     got += len(msg)
             call.cancel()
-            with lock:
-                out["tokens"] += got * per_byte
-        except Exception as e:
-            with lock:
-                out["errors"].append(f"rank {r}: {e.__class__.__name__}: {e}")
+            return got * scale, got, total
         finally:
             ch.close()
 
+    def with_h2(r) -> tuple[float, int, int]:
+        got = count_stream(addresses[0], method, request if job is None else _for_rank(request, r),
+                           seconds=seconds, warm_s=warm_s)
+        return got.bytes * per_byte(got.first), got.bytes, got.total
+
+    def rank_loop(r):
+        try:
+            tokens, nbytes, total = (with_h2 if reader == "h2" else with_grpcio)(r)
+            with lock:
+                out["tokens"] += tokens
+                out["bytes"] += nbytes
+                out["total"] += total
+        except Exception as e:
+            with lock:
+                out["errors"].append(f"rank {r}: {e.__class__.__name__}: {e}")
+
+    cpu0 = time.process_time()
     threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(seconds + warm_s + 60)
+    out["cpu_s"] = time.process_time() - cpu0
     return out
+
+
+def _for_rank(request, rank: int) -> bytes:
+    request.rank = rank
+    return request.SerializeToString()
 
 
 class Clients:
@@ -388,15 +429,18 @@ class Clients:
         tot["wait_share"] = tot["wait_s"] / (seconds * len(ranks))
         return tot
 
-    def count(self, addresses, job, world, *, seq_len, mb, seconds=4.0, warm_s=1.0) -> dict:
-        """Aggregate tokens/s of `world` counting-only streams (see _drive_counting)."""
+    def count(self, addresses, job, world, *, seq_len, mb, seconds=4.0, warm_s=1.0, reader="grpcio") -> dict:
+        """Aggregate tokens/s of `world` counting-only streams (see _drive_counting), and the
+        readers' CPU seconds per GB taken (all client processes together)."""
         parts = [list(range(world))[i::self.n] for i in range(self.n)]
-        results = self.pool.map(_drive_counting, [(addresses, job, p, world, seq_len, mb, seconds, warm_s)
+        results = self.pool.map(_drive_counting, [(addresses, job, p, world, seq_len, mb, seconds, warm_s, reader)
                                                   for p in parts if p])
         errors = [e for r in results for e in r["errors"]]
         if errors:
-            raise RuntimeError(f"counting clients failed: {errors[:3]}")
-        return {"tokens_s": sum(r["tokens"] for r in results) / seconds}
+            raise RuntimeError(f"counting clients ({reader}) failed: {errors[:3]}")
+        total = sum(r["total"] for r in results)   # all they read, warm-up included, as their CPU is
+        return {"tokens_s": sum(r["tokens"] for r in results) / seconds,
+                "reader_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / (total / 1e9) if total else None}
 
     def close(self):
         self.pool.terminate()
@@ -625,19 +669,28 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
     say(f"ceilings: raw TCP socket and bare grpc.aio stream, {cfg.message_bytes >> 20} MiB messages")
     res["raw_socket_mb_s"] = raw_socket_mb_s(secs, cfg.message_bytes)
     res["raw_grpc_mb_s"] = raw_grpc_mb_s(secs, cfg.message_bytes)
+    res["raw_grpc_h2_mb_s"] = raw_grpc_h2_mb_s(secs, cfg.message_bytes)
     clients = Clients()
     feeders: list[Feeder] = []
     try:
         say(f"the bare grpc.aio stream again, taken by {N} counting streams in {clients.n} client processes")
         res["raw_grpc_shared_mb_s"] = raw_grpc_shared_mb_s(clients, secs, cfg.message_bytes, N)
+        res["raw_grpc_shared_h2_mb_s"] = raw_grpc_shared_mb_s(clients, secs, cfg.message_bytes, N, reader="h2")
         f = Feeder(data["shards"], message_bytes=cfg.message_bytes)
         feeders.append(f)
         say(f"feeder: {N} ranks, compression off")
         # What the feeder serves, taken by clients that count what arrives, as the ceilings'
         # clients do: the ratio to raw_grpc_mb_s then compares like with like. The same ranks
         # decoding every batch into a tensor on the same 2 cores follow (feeder_decoded_tokens_s).
-        res["feeder_tokens_s"] = clients.count([f.address], "agg-count", N, seq_len=L, mb=mb, seconds=secs)["tokens_s"]
+        got = clients.count([f.address], "agg-count", N, seq_len=L, mb=mb, seconds=secs)
+        res["feeder_tokens_s"] = got["tokens_s"]
         res["feeder_mb_s"] = res["feeder_tokens_s"] * 2 / 1e6   # uint16 payload; see feeder_wire_mb_s for the envelope
+        # The same, read by the minimal HTTP/2 reader: what the feeder serves when its readers
+        # take a third to a quarter of the cores grpcio's do (ranks run elsewhere in production).
+        got_h2 = clients.count([f.address], "agg-count-h2", N, seq_len=L, mb=mb, seconds=secs, reader="h2")
+        res["feeder_h2_tokens_s"] = got_h2["tokens_s"]
+        res["feeder_h2_mb_s"] = res["feeder_h2_tokens_s"] * 2 / 1e6
+        res["reader_cpu_s_per_gb"] = {"grpcio": got["reader_cpu_s_per_gb"], "h2": got_h2["reader_cpu_s_per_gb"]}
         r = clients.run([f.address], "agg-none", N, seq_len=L, mb=mb, compression="none", seconds=secs)
         res["feeder_decoded_tokens_s"] = r["tokens_s"]
         res["feeder_errors"] = r["errors"]
@@ -692,23 +745,25 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         # decode into tensors on the same 2 cores take (the cores then run out first).
         # Each feeder's CPU over the counting run too: tokens per feeder CPU-second shows whether
         # a second process costs the first anything, apart from the cores the machine has.
-        def counted(job):
+        def counted(job, reader):
             cpu0, t0 = [f.cpu_s() for f in scaled], time.monotonic()
-            got = clients.count([one.address], job, N, seq_len=L, mb=mb, seconds=secs)
+            got = clients.count([one.address], job, N, seq_len=L, mb=mb, seconds=secs, reader=reader)
             dt = time.monotonic() - t0
             cores = [(f.cpu_s() - c) / dt for f, c in zip(scaled, cpu0)]
             return got["tokens_s"], cores
 
         scaled = [one]
-        t1, cores1 = counted("scale-1c")
+        one_proc = {reader: counted(f"scale-1c-{reader}", reader) for reader in ("grpcio", "h2")}
         s1 = clients.run([one.address], "scale-1", N, seq_len=L, mb=mb, compression="none", seconds=secs)
         scaled.append(Feeder(data["shards"], port, message_bytes=cfg.message_bytes))  # same port
         feeders.append(scaled[-1])
-        t2, cores2 = counted("scale-2c")
+        two_proc = {reader: counted(f"scale-2c-{reader}", reader) for reader in ("grpcio", "h2")}
         s2 = clients.run([one.address], "scale-2", N, seq_len=L, mb=mb, compression="none", seconds=secs)
-        res["scaling"] = {"1": t1, "2": t2, "ratio": t2 / t1, "clients": "counting",
-                          "feeder_cores_1": cores1, "feeder_cores_2": cores2,
-                          "tokens_per_feeder_cpu_s_1": t1 / sum(cores1), "tokens_per_feeder_cpu_s_2": t2 / sum(cores2)}
+        for key, reader in (("scaling", "grpcio"), ("scaling_h2", "h2")):
+            (t1, cores1), (t2, cores2) = one_proc[reader], two_proc[reader]
+            res[key] = {"1": t1, "2": t2, "ratio": t2 / t1, "clients": f"counting ({reader} readers)",
+                        "feeder_cores_1": cores1, "feeder_cores_2": cores2,
+                        "tokens_per_feeder_cpu_s_1": t1 / sum(cores1), "tokens_per_feeder_cpu_s_2": t2 / sum(cores2)}
         res["scaling_decoding_clients"] = {"1": s1["tokens_s"], "2": s2["tokens_s"],
                                            "ratio": s2["tokens_s"] / s1["tokens_s"]}
     finally:
@@ -732,10 +787,14 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
 
 
 def ratios(r: dict) -> dict:
+    """Each target, taken with grpcio readers (as the issue's figures are) and, marked _h2,
+    with the minimal HTTP/2 reader on both sides of the ratio."""
     grpc_tokens_s = r["raw_grpc_mb_s"] * 1e6 / 2      # uint16 tokens the bare stream's bytes would carry
     out = {
         "feeder_vs_grpc_tokens": (r["feeder_tokens_s"] / grpc_tokens_s, 0.6),
+        "feeder_vs_grpc_tokens_h2": (r["feeder_h2_tokens_s"] / (r["raw_grpc_h2_mb_s"] * 1e6 / 2), 0.6),
         "feeder_mb_vs_socket": (r["feeder_mb_s"] / r["raw_socket_mb_s"], 0.35),
+        "feeder_mb_vs_socket_h2": (r["feeder_h2_mb_s"] / r["raw_socket_mb_s"], 0.35),
         "client_cpu_vs_local": (r["client_cpu_s_per_mtok"] / r["local_cpu_s_per_mtok"], 1.0),
         "ttfb_s": (r["ttfb_s"], 0.2),
         "resume_s": (r["resume_s"], 1.0),
@@ -743,11 +802,12 @@ def ratios(r: dict) -> dict:
         "feeder_rss_mb_64_ranks": (r["feeder_rss_mb"], 400),
         "max_streams": (r["max_streams"], 256),
         "scaling_2_vs_1": (r["scaling"]["ratio"], 1.6),
+        "scaling_2_vs_1_h2": (r["scaling_h2"]["ratio"], 1.6),
     }
     if "kafka_ratio" in r:
         out["kafka_source_vs_bare_consume"] = (r["kafka_ratio"], 0.5)
-    at_least = {"feeder_vs_grpc_tokens", "feeder_mb_vs_socket", "max_streams", "scaling_2_vs_1",
-                "kafka_source_vs_bare_consume"}
+    at_least = {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
+                "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "kafka_source_vs_bare_consume"}
     return {k: {"value": v, "target": t, "met": (v >= t) if k in at_least else (v <= t)}
             for k, (v, t) in out.items() if v is not None}
 
@@ -758,9 +818,15 @@ def table(r: dict) -> str:
         ("raw_grpc_mb_s", f"{r['raw_grpc_mb_s']:,.0f} MB/s"),
         ("raw_grpc_shared_mb_s", f"{r.get('raw_grpc_shared_mb_s', 0):,.0f} MB/s ({r['config']['ranks']} counting streams, "
                                  "as the feeder's)"),
+        ("raw_grpc_h2_mb_s", f"{r['raw_grpc_h2_mb_s']:,.0f} MB/s; {r['raw_grpc_shared_h2_mb_s']:,.0f} MB/s shared "
+                             "(read by the minimal HTTP/2 reader)"),
         ("feeder_tokens_s", f"{r['feeder_tokens_s'] / 1e6:,.1f} M tok/s ({r['config']['ranks']} ranks, none, served)"),
         ("feeder_decoded_tokens_s", f"{r['feeder_decoded_tokens_s'] / 1e6:,.1f} M tok/s (ranks decode into tensors)"),
         ("feeder_mb_s", f"{r['feeder_mb_s']:,.0f} MB/s"),
+        ("feeder_h2_tokens_s", f"{r['feeder_h2_tokens_s'] / 1e6:,.1f} M tok/s = {r['feeder_h2_mb_s']:,.0f} MB/s "
+                               "(HTTP/2 readers)"),
+        ("reader CPU s per GB", f"grpcio {r['reader_cpu_s_per_gb']['grpcio'] or 0:.2f}, "
+                                f"HTTP/2 reader {r['reader_cpu_s_per_gb']['h2'] or 0:.2f}"),
         ("feeder_zstd_tokens_s", f"{r['feeder_zstd_tokens_s'] / 1e6:,.1f} M tok/s"),
         ("local_tokens_s", f"{r['local_tokens_s'] / 1e6:,.1f} M tok/s (1 rank)"),
         ("client_cpu_s_per_mtok", f"{r['client_cpu_s_per_mtok']:.4f} s (zstd)"),
@@ -769,12 +835,7 @@ def table(r: dict) -> str:
         ("wire_bytes_per_token", f"{r['wire_bytes_per_token']:.3f}"),
         ("feeder_rss_mb (64 ranks)", f"{r['feeder_rss_mb']:.0f} MB"),
         ("max_streams", f"{r['max_streams']} of {r['max_streams_tried']}"),
-        ("scaling 1 -> 2 processes", f"{r['scaling']['1'] / 1e6:,.1f} -> {r['scaling']['2'] / 1e6:,.1f} M tok/s "
-                                     "(counting clients)"),
-        ("  per feeder CPU-second", f"{r['scaling']['tokens_per_feeder_cpu_s_1'] / 1e6:,.1f} -> "
-                                    f"{r['scaling']['tokens_per_feeder_cpu_s_2'] / 1e6:,.1f} M tok "
-                                    f"(feeders used {sum(r['scaling']['feeder_cores_1']):.2f} -> "
-                                    f"{sum(r['scaling']['feeder_cores_2']):.2f} cores)"),
+        *[row for key in ("scaling", "scaling_h2") for row in _scaling_rows(r[key])],
         ("  with decoding clients", f"{r['scaling_decoding_clients']['1'] / 1e6:,.1f} -> "
                                     f"{r['scaling_decoding_clients']['2'] / 1e6:,.1f} M tok/s"),
     ]
@@ -787,6 +848,14 @@ def table(r: dict) -> str:
     for k, v in r["ratios"].items():
         lines.append(f"{k:<30} {v['value']:>10.3f} {v['target']:>8}  {'yes' if v['met'] else 'NO'}")
     return "\n".join(lines)
+
+
+def _scaling_rows(sc: dict) -> list[tuple[str, str]]:
+    return [("scaling 1 -> 2 processes", f"{sc['1'] / 1e6:,.1f} -> {sc['2'] / 1e6:,.1f} M tok/s ({sc['clients']})"),
+            ("  per feeder CPU-second", f"{sc['tokens_per_feeder_cpu_s_1'] / 1e6:,.1f} -> "
+                                        f"{sc['tokens_per_feeder_cpu_s_2'] / 1e6:,.1f} M tok "
+                                        f"(feeders used {sum(sc['feeder_cores_1']):.2f} -> "
+                                        f"{sum(sc['feeder_cores_2']):.2f} cores)")]
 
 
 def plot(r: dict, path: str) -> None:

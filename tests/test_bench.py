@@ -10,7 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_shared_mb_s", "feeder_tokens_s", "feeder_decoded_tokens_s", "feeder_mb_s",
+FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_shared_mb_s", "raw_grpc_h2_mb_s",
+          "raw_grpc_shared_h2_mb_s", "feeder_h2_tokens_s", "feeder_h2_mb_s", "reader_cpu_s_per_gb", "scaling_h2", "feeder_tokens_s", "feeder_decoded_tokens_s", "feeder_mb_s",
           "feeder_zstd_tokens_s",
           "local_tokens_s", "client_cpu_s_per_mtok", "local_cpu_s_per_mtok", "ttfb_s", "resume_s",
           "wire_bytes_per_token", "feeder_rss_mb", "max_streams", "scaling", "scaling_decoding_clients", "curve", "ratios", "versions",
@@ -28,10 +29,14 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     assert not missing, missing
     assert res["feeder_tokens_s"] > 0 and res["feeder_decoded_tokens_s"] > 0 and res["local_tokens_s"] > 0
     assert res["raw_grpc_mb_s"] > 0 and res["raw_grpc_shared_mb_s"] > 0 and not res["feeder_errors"]
+    assert res["raw_grpc_h2_mb_s"] > 0 and res["raw_grpc_shared_h2_mb_s"] > 0 and res["feeder_h2_tokens_s"] > 0
+    assert all(v > 0 for v in res["reader_cpu_s_per_gb"].values())
     assert res["max_streams"] == res["max_streams_tried"] == 64, res["max_streams_errors"]
     assert res["wire_bytes_per_token"] < 4.0        # BPE ids in uint16, compressed
     assert res["dataset"]["vocab_size"] < 65536
     assert [c["ranks"] for c in res["curve"]] == [1, 2, 4, 8]
     assert res["scaling"]["1"] > 0 and res["scaling"]["2"] > 0 and res["scaling_decoding_clients"]["2"] > 0
+    assert res["scaling_h2"]["1"] > 0 and res["scaling_h2"]["2"] > 0
+    assert {"feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket_h2", "scaling_2_vs_1_h2"} <= set(res["ratios"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "feeder_vs_grpc_tokens" in r.stdout and "met" in r.stdout

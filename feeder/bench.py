@@ -400,7 +400,10 @@ def _drive_counting(args) -> dict:
     return out
 
 
-def _for_rank(request, rank: int) -> bytes:
+def _for_rank(template, rank: int) -> bytes:
+    """The template request for one rank (a copy: the ranks' threads share the template)."""
+    request = type(template)()
+    request.CopyFrom(template)
     request.rank = rank
     return request.SerializeToString()
 

@@ -341,9 +341,12 @@ def _drive_counting(args) -> dict:
     out = {"tokens": 0.0, "bytes": 0, "total": 0, "errors": []}
     lock = threading.Lock()
     method = "/bench.Raw/Stream" if job is None else "/feeder.v1.Feeder/Stream"
-    request = b"" if job is None else pb.StreamRequest(
-        job=job, rank=0, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0, seed=1,
-        compression=pb.COMPRESSION_NONE)
+
+    def request(r: int) -> bytes:
+        if job is None:
+            return b""
+        return pb.StreamRequest(job=job, rank=r, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0,
+                                seed=1, compression=pb.COMPRESSION_NONE).SerializeToString()
 
     def per_byte(first: bytes) -> float:
         if job is None:
@@ -354,8 +357,7 @@ def _drive_counting(args) -> dict:
         ch = grpc.insecure_channel(addresses[0], options=[("grpc.max_receive_message_length", 256 << 20),
                                                           ("grpc.use_local_subchannel_pool", 1)])
         try:
-            call = ch.unary_stream(method, request_serializer=None, response_deserializer=None)(
-                request if job is None else _for_rank(request, r))
+            call = ch.unary_stream(method, request_serializer=None, response_deserializer=None)(request(r))
             t_end, got, total, scale = None, 0, 0, 0.0
             for msg in call:
                 total += len(msg)
@@ -375,8 +377,7 @@ def _drive_counting(args) -> dict:
             ch.close()
 
     def with_h2(r) -> tuple[float, int, int]:
-        got = count_stream(addresses[0], method, request if job is None else _for_rank(request, r),
-                           seconds=seconds, warm_s=warm_s)
+        got = count_stream(addresses[0], method, request(r), seconds=seconds, warm_s=warm_s)
         return got.bytes * per_byte(got.first), got.bytes, got.total
 
     def rank_loop(r):
@@ -398,14 +399,6 @@ def _drive_counting(args) -> dict:
         t.join(seconds + warm_s + 60)
     out["cpu_s"] = time.process_time() - cpu0
     return out
-
-
-def _for_rank(template, rank: int) -> bytes:
-    """The template request for one rank (a copy: the ranks' threads share the template)."""
-    request = type(template)()
-    request.CopyFrom(template)
-    request.rank = rank
-    return request.SerializeToString()
 
 
 class Clients:

@@ -27,7 +27,7 @@ class FeederDataset(IterableDataset):
                  retry_for_s: float = 300.0, report_every_s: float = 5.0, bad_records: str = "",
                  prefer: str = "rtt", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = "",
                  token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64,
-                 failback_s: float = 60.0):
+                 failback_s: float = 60.0, pin_memory: bool | None = None):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -47,7 +47,7 @@ class FeederDataset(IterableDataset):
         self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
                               retry_for_s=retry_for_s, report_every_s=report_every_s, security=security,
                               regions=regions, prefer=prefer, max_read_ahead=max_read_ahead,
-                              failback_s=failback_s)
+                              failback_s=failback_s, pin_memory=pin_memory)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
 
@@ -56,10 +56,12 @@ class FeederDataset(IterableDataset):
         spec = self.spec
         if info is not None and info.num_workers > 1:
             spec = StreamSpec(**{**spec.__dict__, "worker_index": info.id, "num_workers": info.num_workers})
+        # A DataLoader worker never pins (CUDA does not start in a forked process, and the
+        # batches are copied to the main process anyway: DataLoader(pin_memory=True) pins there).
+        transport = self.transport if info is None else {**self.transport, "pin_memory": False}
         if self.client is not None:
             self.client.close()
-        self.client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=self.cursor,
-                                                **self.transport))
+        self.client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=self.cursor, **transport))
         try:
             for batch in self.client:
                 self.cursor = batch.cursor

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from feeder.errors import Unavailable
 from feeder.pipeline.stream import READ_BUCKETS
 
 log = logging.getLogger("feeder.metrics")
@@ -135,7 +136,11 @@ def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
     if tls:
         cert, key, ca = tls
         kw = dict(certfile=cert, keyfile=key, client_cafile=ca or None, client_auth_required=bool(ca))
-    server, _thread = start_http_server(int(port), addr=host, registry=registry, **kw)
+    try:
+        server, _thread = start_http_server(int(port), addr=host, registry=registry, **kw)
+    except OSError as e:
+        raise Unavailable(f"cannot serve metrics on {host}:{port}: {e.strerror or e}; every feeder process on a "
+                          "host needs a metrics port of its own (--metrics-port)") from None
     real = server.server_port
     log.info("metrics on %s:%d (pid %d)", host, real, os.getpid())
     return server, f"{host}:{real}"

@@ -123,6 +123,27 @@ def _file(p: Path) -> Path:
     return p
 
 
+def test_serve_on_a_taken_port_or_metrics_port_exits_with_a_clear_message(tmp_path):
+    """A port held by another program, and a second feeder process given the metrics port of
+    the first: exit 2 with what to do, no traceback, and no stream ever taken."""
+    import socket
+
+    src = write_jsonl(tmp_path / "a.jsonl", make_docs(20, seed=2))
+    assert run("prep", src, "--out", tmp_path / "ds", "--quiet").returncode == 0
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run("serve", "--source", tmp_path / "ds", "--listen", f"127.0.0.1:{port}")
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"cannot listen on 127.0.0.1:{port}: the port is taken by another program" in r.stderr
+        r = run("serve", "--source", tmp_path / "ds", "--listen", "127.0.0.1:0", "--metrics-port", port)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr
+        assert "needs a metrics port of its own (--metrics-port)" in r.stderr
+        assert "listening on" not in r.stdout
+
+
 def test_serve_prints_its_address_streams_and_stops_on_sigterm(tmp_path):
     from client import FeederDataset
 

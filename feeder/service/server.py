@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from feeder.config import ServeConfig
 from feeder.engine import Engine
+from feeder.errors import Unavailable
 from feeder.service.wire import encode_reply
 from feeder.service.servicer import FeederServicer, add_to_server
 from feeder.sources import TokenSource
@@ -83,23 +84,31 @@ class Server:
             from feeder.security import ReloadingCertificates
 
             self.certificates = ReloadingCertificates(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-            self.port = self.server.add_secure_port(cfg.listen, self.certificates.credentials())
         else:
             from feeder.net import is_loopback
 
             if not is_loopback(cfg.listen.rpartition(":")[0]):
                 log.warning("serving PLAIN TEXT on %s (--insecure): tokens, cursors and data cross the network "
                             "unencrypted; use --tls-cert/--tls-key beyond a trusted network", cfg.listen)
-            self.port = self.server.add_insecure_port(cfg.listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.cfg.listen}")
-        await self.server.start()
-        if self.cfg.metrics_listen:
+        # Metrics first: a process that cannot serve them never listens, so it takes no stream.
+        if cfg.metrics_listen:
             from feeder.metrics import start_metrics
 
             self.metrics_server, self.metrics_address = start_metrics(
                 self.engine, asyncio.get_running_loop(), cfg.metrics_listen,
                 tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None)
+        try:
+            self.port = (self.server.add_secure_port(cfg.listen, self.certificates.credentials()) if cfg.tls
+                         else self.server.add_insecure_port(cfg.listen))
+        except RuntimeError:   # grpcio's "Failed to bind" (its own log line says why)
+            self.port = 0
+        if self.port == 0:
+            if self.metrics_server is not None:
+                self.metrics_server.shutdown()
+            raise Unavailable(f"cannot listen on {cfg.listen}: the port is taken by another program (feeders "
+                              "share a port only with feeders, through SO_REUSEPORT) or the host is not an "
+                              "address of this machine")
+        await self.server.start()
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.SERVING)
         return self.port

@@ -125,22 +125,48 @@ def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
                   tls: tuple[str, str, str] | None = None) -> tuple[object, str]:
     """Serve /metrics on HOST:PORT (port 0: any free port); returns (server, 'HOST:PORT').
     With tls=(cert, key, client_ca) it is HTTPS with the feeder's own certificate (and
-    client certificates required when client_ca is set), read once at start."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    client certificates required when client_ca is set), re-read when the files change, as
+    the gRPC port's are: each new connection gets the certificate as it is then."""
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    from feeder.security import ReloadingSSLContext
 
     host, _, port = listen.rpartition(":")
-    host = host or "0.0.0.0"
+    host = host.strip("[]") or "0.0.0.0"
+    contexts = ReloadingSSLContext(*tls) if tls else None
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):   # a scrape every few seconds is not news
+            pass
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def get_request(self):
+            conn, addr = super().get_request()
+            if contexts is not None:
+                # The handshake happens on the connection's own thread, at its first read: a
+                # peer that stalls it holds only that thread (for 10 s), never the accept loop.
+                conn.settimeout(10)
+                conn = contexts.current().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            return conn, addr
+
+        def handle_error(self, request, client_address):   # a failed handshake: the peer's problem
+            log.debug("metrics: connection from %s failed", client_address, exc_info=True)
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, loop))
-    kw = {}
-    if tls:
-        cert, key, ca = tls
-        kw = dict(certfile=cert, keyfile=key, client_cafile=ca or None, client_auth_required=bool(ca))
     try:
-        server, _thread = start_http_server(int(port), addr=host, registry=registry, **kw)
+        server = make_server(host, int(port), make_wsgi_app(registry), Server, handler_class=Quiet)
     except OSError as e:
         raise Unavailable(f"cannot serve metrics on {host}:{port}: {e.strerror or e}; every feeder process on a "
                           "host needs a metrics port of its own (--metrics-port)") from None
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     real = server.server_port
     log.info("metrics on %s:%d (pid %d)", host, real, os.getpid())
     return server, f"{host}:{real}"

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import secrets
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -81,36 +82,73 @@ class FileWatch:
 
 # ---- server: TLS ------------------------------------------------------------------------
 
-class ReloadingCertificates:
-    """Server certificate (and client CA for mTLS), re-read when a file changes. gRPC asks
-    `fetch` at each new handshake; returning None keeps the current configuration."""
+class _Reloading:
+    """Server certificate (and client CA for mutual TLS), loaded anew when a file changes."""
 
     def __init__(self, cert: str, key: str, client_ca: str = ""):
         self.cert, self.key, self.client_ca = cert, key, client_ca
         self.watch = FileWatch(p for p in (cert, key, client_ca) if p)
-        self.initial = self._config()
 
-    def _config(self):
-        pairs = [(_read(self.key), _read(self.cert))]
-        ca = _read(self.client_ca) if self.client_ca else None
-        return grpc.ssl_server_certificate_configuration(pairs, root_certificates=ca)
+    def _load(self):
+        raise NotImplementedError
 
-    def fetch(self):
+    def _reload(self):
+        """The material loaded anew if a file changed since the last good load, else None."""
         stamp = self.watch.changed()
         if stamp is None:
             return None
         try:
-            cfg = self._config()
+            loaded = self._load()
         except Exception as e:  # a half-written rotation: keep serving with what works, look again
             log.warning("certificate reload failed, keeping the current one: %s", e)
             return None
         self.watch.accept(stamp)
         log.info("reloaded TLS material (%s)", ", ".join(self.watch.paths))
-        return cfg
+        return loaded
+
+
+class ReloadingCertificates(_Reloading):
+    """For gRPC, which asks `fetch` at each new handshake; None keeps the current configuration."""
+
+    def __init__(self, cert: str, key: str, client_ca: str = ""):
+        super().__init__(cert, key, client_ca)
+        self.initial = self._load()
+
+    def _load(self):
+        pairs = [(_read(self.key), _read(self.cert))]
+        ca = _read(self.client_ca) if self.client_ca else None
+        return grpc.ssl_server_certificate_configuration(pairs, root_certificates=ca)
+
+    def fetch(self):
+        return self._reload()
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(self.initial, self.fetch,
                                                    require_client_authentication=bool(self.client_ca))
+
+
+class ReloadingSSLContext(_Reloading):
+    """For a plain `ssl` listener (the metrics port): `current()` at each accepted connection."""
+
+    def __init__(self, cert: str, key: str, client_ca: str = ""):
+        super().__init__(cert, key, client_ca)
+        self.context = self._load()
+
+    def _load(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            if self.client_ca:
+                ctx.load_verify_locations(self.client_ca)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as e:
+            raise InvalidArgument(f"cannot load the certificate {self.cert} with key {self.key}"
+                                  f"{' and client CA ' + self.client_ca if self.client_ca else ''}: {e}") from None
+        return ctx
+
+    def current(self) -> ssl.SSLContext:
+        self.context = self._reload() or self.context
+        return self.context
 
 
 # ---- server: tokens ---------------------------------------------------------------------

@@ -241,6 +241,45 @@ def test_metrics_port_speaks_https_with_the_feeders_certificate(secure_feeder, p
         urllib.request.urlopen(f"http://{secure_feeder.metrics}/metrics", timeout=10).read()
 
 
+def test_metrics_port_serves_a_rotated_certificate_without_restart(secure_feeder, pki, tmp_path):
+    """cert-manager or certbot replace the files; scrapes must not start failing when the old
+    certificate expires weeks later, so the metrics port re-reads them as the gRPC port does."""
+    import socket
+    import ssl
+    import urllib.request
+
+    url = f"https://{secure_feeder.metrics}/metrics"
+
+    def scrape(ca):
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.load_cert_chain(str(pki / "rank.crt"), str(pki / "rank.key"))
+        with urllib.request.urlopen(url, context=ctx, timeout=10) as r:
+            return r.read()
+
+    assert b"feeder_info" in scrape(pki / "ca" / "ca.crt")
+    # A peer that connects and never says a word does not hold up the next scrape.
+    with socket.create_connection(tuple(secure_feeder.metrics.rsplit(":", 1))):
+        t0 = time.monotonic()
+        assert b"feeder_info" in scrape(pki / "ca" / "ca.crt")
+        assert time.monotonic() - t0 < 5
+    certs.make_ca(str(tmp_path / "ca2"))
+    crt, key = certs.issue(str(tmp_path / "ca2"), str(tmp_path), "feeder2", ["localhost", "127.0.0.1"])
+    for src, dst in ((key, secure_feeder.dir / "feeder.key"), (crt, secure_feeder.dir / "feeder.crt")):
+        os.replace(src, dst)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert b"feeder_info" in scrape(tmp_path / "ca2" / "ca.crt")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                pytest.fail("the metrics port did not serve the rotated certificate within 10 s")
+            time.sleep(0.3)
+    with pytest.raises(OSError):   # the old certificate is gone
+        scrape(pki / "ca" / "ca.crt")
+    assert secure_feeder.proc.poll() is None
+
+
 def test_a_replaced_stream_ends_its_client_instead_of_moving_to_another_region(dataset):
     """A newer stream of the same (job, rank) ends the older one with FAILED_PRECONDITION: that
     refusal is about the request, not the replica, so the old client stops (it must not go on

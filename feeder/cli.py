@@ -59,7 +59,8 @@ SERVE_FLAGS = {"source": "source", "listen": "listen", "region": "region",
                "compression_level": "default_level", "threads": "threads", "grace": "grace_s",
                "vocab_size": "vocab_size", "eos_id": "eos_id", "log_format": "log_format", "ledger": "ledger",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
-               "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms"}
+               "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
+               "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index"}
 
 
 def serve_config(args):
@@ -105,6 +106,10 @@ def cmd_serve(args) -> int:
 
     cfg = serve_config(args)
     logs.setup(cfg.log_format)
+    if cfg.processes > 1:
+        from feeder.supervise import supervise
+
+        return supervise(cfg, args.argv)
 
     def ready(server):
         print(f"feeder region={cfg.region} listening on {server.address}", flush=True)
@@ -280,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compression-level", type=int, help="zstd level (default 3)")
     s.add_argument("--remote-rtt-ms", type=float, help="a rank this far (measured RTT) is remote (default 5)")
     s.add_argument("--threads", type=int, help="batch-building threads (default 4)")
+    s.add_argument("--processes", type=int, help="feeder processes on this one port (default 1): one process is "
+                   "bound by its GIL, a host with more cores serves more with more; any one of them answers "
+                   "`feeder status` for all, each serves metrics on --metrics-port plus its index")
+    # Set by `--processes N` for the processes it starts.
+    s.add_argument("--sibling-dir", help=argparse.SUPPRESS)
+    s.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
     s.add_argument("--cursor-secret-file", help="file with the deployment's cursor secret "
                    "(or env FEEDER_CURSOR_SECRET); all feeders of a deployment share it")
     s.add_argument("--grace", type=float, help="seconds to drain streams on SIGTERM (default 10)")
@@ -351,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # `serve --processes N` starts N of itself
     try:
         return args.fn(args)
     except FeederError as e:

@@ -115,6 +115,13 @@ class ServeConfig:
     # A rank whose measured round-trip time is at least this far is remote: when it does not
     # choose, it gets zstd even if default_compression is none.
     remote_rtt_ms: float = 5.0
+    # Processes serving this one port (SO_REUSEPORT), started and restarted by `feeder serve`:
+    # one process is bound by its GIL near 1 GB/s, a host with more cores serves more with more.
+    processes: int = 1
+    # Set by that supervisor for each process it starts: where the processes leave their
+    # status for each other (so any one answers `feeder status` for all), and which one this is.
+    sibling_dir: str = ""
+    process_index: int = 0
 
     def __post_init__(self):
         if not self.source:
@@ -127,6 +134,7 @@ class ServeConfig:
         _positive("message_bytes", self.message_bytes, upper=64 << 20)
         _compression("default_compression", self.default_compression, self.default_level)
         _positive("threads", self.threads, upper=256)
+        _positive("processes", self.processes, upper=256)
         if self.metrics_listen:
             mhost, msep, mport = self.metrics_listen.rpartition(":")
             if not msep or not mport.isdigit() or int(mport) > 65535:

@@ -17,6 +17,7 @@ from feeder.errors import NotFound, Unavailable, WrongReplica
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
+from feeder.siblings import Siblings
 from feeder.sources import TokenSource
 
 log = logging.getLogger("feeder.engine")
@@ -33,6 +34,8 @@ class Engine:
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
         self.started = time.monotonic()
         self.ledger = open(cfg.ledger, "a", buffering=1) if cfg.ledger else None
+        # One of several processes on this port (`feeder serve --processes N`)
+        self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
         self.version = __version__
 
     def source(self, name: str) -> TokenSource:

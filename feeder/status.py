@@ -31,7 +31,8 @@ def fetch(target: str, job: str = "", timeout: float = 5.0, security: ClientSecu
 def render(reply, target: str):
     from rich.table import Table
 
-    t = Table(title=f"feeder {target}  region={reply.region}  up {reply.uptime_s:.0f}s  "
+    procs = f"  processes={reply.processes}" if reply.processes > 1 else ""
+    t = Table(title=f"feeder {target}  region={reply.region}{procs}  up {reply.uptime_s:.0f}s  "
                     f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB", title_justify="left")
     left = ("job", "region", "state", "last error")
     for col in ("job", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",

@@ -104,6 +104,8 @@ def test_prep_with_a_huggingface_tokenizer_file(tmp_path):
     (lambda d: ["prep", _file(d / "x.csv"), "--out", d / "o"], "x.csv: unknown input type"),
     (lambda d: ["serve", "--source", d / "nothing-here"], "does not exist"),
     (lambda d: ["serve", "--source", d, "--listen", "nonsense"], "listen must be HOST:PORT"),
+    (lambda d: ["serve", "--source", d / "nothing-here", "--processes", "2"], "does not exist"),
+    (lambda d: ["serve", "--source", d, "--processes", "0"], "processes must be a positive integer"),
 ])
 def test_user_mistakes_exit_nonzero_with_a_clear_message(tmp_path, make, words):
     r = run(*make(tmp_path))

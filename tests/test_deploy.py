@@ -183,25 +183,16 @@ def test_systemd_units(monkeypatch):
     assert "lfs setstripe" in (DEPLOY / "systemd" / "LUSTRE.md").read_text()
 
 
-def test_the_documented_second_process_on_a_host_gets_its_own_metrics_port(tmp_path):
-    """README step 5 (and the unit's comment) say how to add a second process for a region: run
-    that very sed on a copy of the unit, and the unit it writes starts the same region with
-    metrics on 9465 (the region file's 9464 stays with the first)."""
-    import re
-    import subprocess
-
-    readme = " ".join((DEPLOY.parent / "README.md").read_text().split())
-    command = re.search(r"`(sed .*? > /etc/systemd/system/feeder-us-east-2\.service)", readme).group(1)
-    text = (DEPLOY / "systemd" / "feeder@.service").read_text()
-    assert re.search(r"sed (.*?) feeder@", text).group(1) == re.search(r"sed (.*?) /etc/", command).group(1)
-    (tmp_path / "feeder@.service").write_text(text)
-    subprocess.run(command.replace("/etc/systemd/system/", f"{tmp_path}/"), shell=True, check=True)
-    second = unit(tmp_path / "feeder-us-east-2.service")
-    exe, *argv = shlex.split(second["Service"]["ExecStart"])
-    args = feeder_args(argv)
-    assert Path(args.config).name == "us-east.toml" and args.metrics_port == 9465
-    assert load_region(str(DEPLOY / "regions" / "us-east.toml"))["metrics_listen"] == "0.0.0.0:9464"
-    assert second["Unit"]["Description"] == "Token feeder, region us-east"
+def test_a_region_file_can_ask_for_several_processes(tmp_path):
+    region = tmp_path / "big.toml"
+    region.write_text((DEPLOY / "regions" / "us-east.toml").read_text().replace('region = "us-east"',
+                                                                               'region = "us-east"\nprocesses = 4'))
+    values = load_region(str(region))
+    values.pop("cursor_secret_file")
+    assert ServeConfig(**values).processes == 4
+    region.write_text('source = "d"\nprocesses = 0\n')
+    with pytest.raises(InvalidArgument, match="processes must be a positive integer, got 0"):
+        ServeConfig(**load_region(str(region)))
 
 
 def test_the_test_broker_never_draws_a_cluster_id_its_storage_tool_takes_for_an_option(monkeypatch):

@@ -15,7 +15,7 @@ from feeder.config import ServeConfig
 from feeder.engine import Engine
 from feeder.errors import Unavailable
 from feeder.service.wire import encode_reply
-from feeder.service.servicer import FeederServicer, add_to_server
+from feeder.service.servicer import FeederServicer, add_to_server, status_reply
 from feeder.sources import TokenSource
 from feeder.v1 import feeder_pb2 as pb
 
@@ -64,6 +64,7 @@ class Server:
         self.metrics_address = ""
         self.tokens = None
         self.certificates = None
+        self._publisher: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg = self.cfg
@@ -109,9 +110,23 @@ class Server:
                               "share a port only with feeders, through SO_REUSEPORT) or the host is not an "
                               "address of this machine")
         await self.server.start()
+        if self.engine.siblings is not None:
+            self._publisher = asyncio.create_task(self._publish_status())
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
+
+    async def _publish_status(self) -> None:
+        """Leave this process's status for the other processes of this port, every second."""
+        from feeder.siblings import EVERY_S
+
+        siblings = self.engine.siblings
+        while True:
+            try:
+                await asyncio.to_thread(siblings.publish, status_reply(self.engine))
+            except OSError as e:   # a full or vanished directory: the view misses us, serving goes on
+                log.warning("cannot leave status for the other processes: %s", e)
+            await asyncio.sleep(EVERY_S)
 
     @property
     def address(self) -> str:
@@ -125,6 +140,9 @@ class Server:
         self.engine.shutdown()
         if self.server is not None:
             await self.server.stop(self.cfg.grace_s if grace is None else grace)
+        if self._publisher is not None:
+            self._publisher.cancel()
+            self.engine.siblings.withdraw()
         self.engine.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

@@ -12,8 +12,9 @@ import grpc
 
 from feeder.config import StreamSpec
 from feeder.engine import Engine
-from feeder.errors import ELSEWHERE, Code, FeederError
+from feeder.errors import ELSEWHERE, Code, FeederError, NotFound
 from feeder.pipeline.batcher import Block
+from feeder.siblings import merge
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -86,6 +87,33 @@ def to_proto(block: Block, region: str) -> pb.StreamReply:
     return pb.StreamReply(batches=out, region=region)
 
 
+def status_reply(e: Engine, job: str = "", missing_ok: bool = False) -> pb.StatusReply:
+    """This process's jobs and ranks (one job, or all). An unknown job is NOT_FOUND unless
+    missing_ok (another process of the same port may know it)."""
+    if not job:
+        jobs = list(e.jobs.jobs.values())
+    elif missing_ok:
+        jobs = [e.jobs.jobs[job]] if job in e.jobs.jobs else []
+    else:
+        jobs = [e.jobs.get(job)]
+    reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
+                           streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),
+                           tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1)
+    for j in jobs:
+        js = reply.jobs.add(job=j.job, dataset=j.dataset or e.default, world_size=j.world_size)
+        for r in sorted(j.ranks.values(), key=lambda r: r.rank):
+            epoch, done = r.position
+            js.ranks.add(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
+                         samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent,
+                         bytes_sent=r.bytes_sent, tokens_per_s=r.tokens_per_s,
+                         queue_depth=r.queue_depth,
+                         data_wait_fraction=r.data_wait_fraction, last_error=r.last_error, peer=r.peer,
+                         restarts=max(0, r.streams_opened - 1), failovers=r.failovers,
+                         tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=e.cfg.region,
+                         state=r.state)
+    return reply
+
+
 def add_to_server(servicer: "FeederServicer", server) -> None:
     """Like the generated add_FeederServicer_to_server, except that Stream's replies arrive
     already serialized (bytes, built off the event loop) and go to gRPC as they are."""
@@ -150,22 +178,17 @@ class FeederServicer(pb_grpc.FeederServicer):
     async def Status(self, request, context):
         e = self.engine
         e.jobs.evict_idle()
-        jobs = [e.jobs.get(request.job)] if request.job else list(e.jobs.jobs.values())
-        reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
-                               streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),
-                               tasks=len(asyncio.all_tasks()), threads=threading.active_count())
-        for j in jobs:
-            js = reply.jobs.add(job=j.job, dataset=j.dataset or e.default, world_size=j.world_size)
-            for r in sorted(j.ranks.values(), key=lambda r: r.rank):
-                epoch, done = r.position
-                js.ranks.add(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
-                             samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent,
-                             bytes_sent=r.bytes_sent, tokens_per_s=r.tokens_per_s,
-                             queue_depth=r.queue_depth,
-                             data_wait_fraction=r.data_wait_fraction, last_error=r.last_error, peer=r.peer,
-                             restarts=max(0, r.streams_opened - 1), failovers=r.failovers,
-                             tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=e.cfg.region,
-                             state=r.state)
+        if e.siblings is None:
+            return status_reply(e, request.job)
+        # One process of several on this port: the others' status too, so any one answers for all.
+        reply = merge(status_reply(e, request.job, missing_ok=True), await asyncio.to_thread(e.siblings.others))
+        if request.job:
+            keep = [j for j in reply.jobs if j.job == request.job]
+            if not keep:
+                raise NotFound(f"job {request.job!r} is not known to this feeder (known: "
+                               f"{sorted(j.job for j in reply.jobs) or 'none'})")
+            del reply.jobs[:]
+            reply.jobs.extend(keep)
         return reply
 
     @unary

@@ -1,0 +1,89 @@
+"""The processes of one `feeder serve --processes N` port, seen as one feeder.
+
+The kernel hands each new connection to one of the processes (SO_REUSEPORT), so a rank's
+stream, and an operator's `feeder status`, land on any of them. Each process therefore
+writes its whole status (a StatusReply) to the supervisor's directory every second, and a
+Status call merges the answering process's live status with the others' (those written in
+the last STALE_S seconds: a process that died or hangs drops out of the view).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from feeder.v1 import feeder_pb2 as pb
+
+EVERY_S = 1.0
+STALE_S = 5.0
+# Counters that add up over the processes a rank was served by (a rank that reconnects may
+# land on another process); everything else describes the rank now, and comes from the
+# process that serves it now.
+SUMMED = ("batches_sent", "bytes_sent", "tokens_sent", "failovers", "bad_records")
+
+
+class Siblings:
+    def __init__(self, directory: str, index: int):
+        self.dir, self.index = Path(directory), index
+
+    def _path(self, i: int) -> Path:
+        return self.dir / f"{i}.status"
+
+    def publish(self, reply: pb.StatusReply) -> None:
+        """This process's status, replaced whole (a reader never sees half of it)."""
+        tmp = self.dir / f".{self.index}.tmp"
+        tmp.write_bytes(reply.SerializeToString())
+        os.replace(tmp, self._path(self.index))
+
+    def withdraw(self) -> None:
+        self._path(self.index).unlink(missing_ok=True)
+
+    def others(self) -> list[pb.StatusReply]:
+        now, out = time.time(), []
+        for p in self.dir.glob("*.status"):
+            if p == self._path(self.index):
+                continue
+            try:
+                if now - p.stat().st_mtime > STALE_S:
+                    continue
+                out.append(pb.StatusReply.FromString(p.read_bytes()))
+            except (OSError, ValueError):   # replaced or removed while we looked: as if absent
+                continue
+        return out
+
+
+def _newer(a: pb.RankStatus, b: pb.RankStatus) -> bool:
+    """Whether a describes the rank now rather than b: the connected one, else the further one."""
+    return (a.connected, a.epoch, a.samples_done) > (b.connected, b.epoch, b.samples_done)
+
+
+def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
+    """One reply for all the processes: the answering one's, with the others' added."""
+    out = pb.StatusReply(region=own.region, uptime_s=own.uptime_s, processes=1 + len(others))
+    jobs: dict[str, pb.JobStatus] = {}
+    ranks: dict[str, dict[int, list[pb.RankStatus]]] = {}
+    for r in (own, *others):
+        out.uptime_s = max(out.uptime_s, r.uptime_s)
+        out.streams_open += r.streams_open
+        out.rss_mb += r.rss_mb
+        out.tasks += r.tasks
+        out.threads += r.threads
+        for j in r.jobs:
+            jobs.setdefault(j.job, j)
+            for rank in j.ranks:
+                ranks.setdefault(j.job, {}).setdefault(rank.rank, []).append(rank)
+    for name in sorted(jobs):
+        j = jobs[name]
+        js = out.jobs.add(job=name, dataset=j.dataset, world_size=j.world_size)
+        for number in sorted(ranks.get(name, {})):
+            seen = ranks[name][number]
+            now = seen[0]
+            for s in seen[1:]:
+                now = s if _newer(s, now) else now
+            merged = js.ranks.add()
+            merged.CopyFrom(now)
+            for f in SUMMED:
+                setattr(merged, f, sum(getattr(s, f) for s in seen))
+            # each record counts its process's streams but the first; the others' first ones were restarts too
+            merged.restarts = sum(s.restarts for s in seen) + len(seen) - 1
+    return out

@@ -32,14 +32,24 @@ log = logging.getLogger("feeder.supervise")
 READY = "listening on "
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
+def _pdeathsig():
+    """prctl, looked up here: the child calls it between fork and exec, where importing (the
+    import lock may be held by another thread at the fork) could deadlock."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):   # not Linux: a supervisor killed hard leaves its processes
+        return None
+
+
+_PRCTL = _pdeathsig()
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the supervisor dies, even by SIGKILL."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 @dataclass

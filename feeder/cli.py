@@ -105,7 +105,7 @@ def cmd_serve(args) -> int:
     from feeder.service.server import keep_freed_memory, new_loop, serve_forever
 
     cfg = serve_config(args)
-    logs.setup(cfg.log_format)
+    logs.setup(cfg.log_format, process=cfg.process_index if cfg.sibling_dir else None)
     if cfg.processes > 1:
         from feeder.supervise import supervise
 

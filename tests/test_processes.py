@@ -120,6 +120,10 @@ def test_ranks_spread_over_processes_get_their_share_and_any_process_shows_them_
             assert [r.batches_sent for r in job.ranks] == [len(got[r]) for r in range(world)]
 
     _eventually(every_rank_in_every_answer)
+    # Each process's log lines say which process wrote them.
+    logged = open(supervised.log.name).read()
+    for index, address in supervised.metrics.items():
+        assert f"INFO [process {index}] feeder.metrics: metrics on {address}" in logged
     with pytest.raises(NotFound, match="job 'other' is not known to this feeder"):
         fetch(supervised.address, job="other")
     # Each process serves its own metrics; the tokens they sent add up to what the ranks got.

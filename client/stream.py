@@ -255,6 +255,9 @@ class FeederClient:
         # Without CUDA, numpy's allocator: a pool of reused arrays was measured here and was no
         # faster (its freed blocks are reused already).
         self._alloc = pinned if (torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory) else None
+        # The device of the thread that made this client (a rank's own GPU): the stream thread
+        # pins on it too, rather than open a context on GPU 0 (as DataLoader's pin thread does).
+        self._device = torch.cuda.current_device() if self._alloc is not None else None
         self._stop = threading.Event()
         self._call = None
         self._lock = threading.Lock()
@@ -384,6 +387,8 @@ class FeederClient:
             for t in self.targets))
 
     def _run(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         targets = self.targets
         failing_since: float | None = None
         last_error = ""

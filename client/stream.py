@@ -120,18 +120,17 @@ def channel_options(cfg: ClientConfig) -> list[tuple[str, int]]:
     ]
 
 
-def pinned(n: int, sample_len: int) -> tuple[torch.Tensor, np.ndarray]:
-    """A page-locked int64 [n, sample_len] tensor to decode into, and a numpy view of it.
+def pinned(n: int, sample_len: int) -> torch.Tensor:
+    """A page-locked int64 [n, sample_len] tensor to decode into.
     torch's caching host allocator is the pool: it hands a freed block out again only once
     the copies that read it have finished. The trainer's `.to(device, non_blocking=True)` is
     then a true asynchronous copy, and no batch is copied once more to pin it (as
     DataLoader(pin_memory=True) does)."""
-    t = torch.empty((n, sample_len), dtype=torch.int64, pin_memory=True)
-    return t, t.numpy()
+    return torch.empty((n, sample_len), dtype=torch.int64, pin_memory=True)
 
 
 def decode(b: pb.Batch, region: str = "",
-           alloc: Callable[[int, int], tuple[torch.Tensor, np.ndarray]] | None = None) -> FeederBatch:
+           alloc: Callable[[int, int], torch.Tensor] | None = None) -> FeederBatch:
     """One batch's tensors. The tokens are widened from the reply into their int64 tensor in
     one pass: into a fresh array, or into the one `alloc(n, sample_len)` gives (`pinned`)."""
     dtype = DTYPES.get(b.dtype)
@@ -150,8 +149,8 @@ def decode(b: pb.Batch, region: str = "",
     if alloc is None:   # numpy's astype: half the cost of a fresh torch.empty, whose pages fault in
         tokens = torch.from_numpy(src.astype(np.int64))
     else:
-        tokens, out = alloc(b.n, b.sample_len)
-        np.copyto(out, src)
+        tokens = alloc(b.n, b.sample_len)
+        np.copyto(tokens.numpy(), src)
     ids = torch.from_numpy(np.frombuffer(b.sample_ids, dtype="<i8").astype(np.int64))
     return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region)
 

@@ -52,9 +52,9 @@ class Siblings:
         return out
 
 
-def _newer(a: pb.RankStatus, b: pb.RankStatus) -> bool:
-    """Whether a describes the rank now rather than b: the connected one, else the further one."""
-    return (a.connected, a.epoch, a.samples_done) > (b.connected, b.epoch, b.samples_done)
+def _recency(r: pb.RankStatus) -> tuple:
+    """Which record describes the rank now: the connected one, else the furthest one."""
+    return r.connected, r.epoch, r.samples_done
 
 
 def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
@@ -77,11 +77,8 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         js = out.jobs.add(job=name, dataset=j.dataset, world_size=j.world_size)
         for number in sorted(ranks.get(name, {})):
             seen = ranks[name][number]
-            now = seen[0]
-            for s in seen[1:]:
-                now = s if _newer(s, now) else now
             merged = js.ranks.add()
-            merged.CopyFrom(now)
+            merged.CopyFrom(max(seen, key=_recency))
             for f in SUMMED:
                 setattr(merged, f, sum(getattr(s, f) for s in seen))
             # each record counts its process's streams but the first; the others' first ones were restarts too

@@ -87,15 +87,9 @@ def to_proto(block: Block, region: str) -> pb.StreamReply:
     return pb.StreamReply(batches=out, region=region)
 
 
-def status_reply(e: Engine, job: str = "", missing_ok: bool = False) -> pb.StatusReply:
-    """This process's jobs and ranks (one job, or all). An unknown job is NOT_FOUND unless
-    missing_ok (another process of the same port may know it)."""
-    if not job:
-        jobs = list(e.jobs.jobs.values())
-    elif missing_ok:
-        jobs = [e.jobs.jobs[job]] if job in e.jobs.jobs else []
-    else:
-        jobs = [e.jobs.get(job)]
+def status_reply(e: Engine, job: str = "") -> pb.StatusReply:
+    """This process's jobs and ranks: one job (NOT_FOUND if unknown), or all."""
+    jobs = [e.jobs.get(job)] if job else list(e.jobs.jobs.values())
     reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
                            streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),
                            tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1)
@@ -181,7 +175,7 @@ class FeederServicer(pb_grpc.FeederServicer):
         if e.siblings is None:
             return status_reply(e, request.job)
         # One process of several on this port: the others' status too, so any one answers for all.
-        reply = merge(status_reply(e, request.job, missing_ok=True), await asyncio.to_thread(e.siblings.others))
+        reply = merge(status_reply(e), await asyncio.to_thread(e.siblings.others))
         if request.job:
             keep = [j for j in reply.jobs if j.job == request.job]
             if not keep:

@@ -27,7 +27,8 @@ class FeederDataset(IterableDataset):
                  retry_for_s: float = 300.0, report_every_s: float = 5.0, bad_records: str = "",
                  prefer: str = "rtt", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = "",
                  token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64,
-                 failback_s: float = 60.0, pin_memory: bool | None = None):
+                 failback_s: float = 60.0, pin_memory: bool | None = None,
+                 keep_freed_memory: bool = True):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -47,7 +48,8 @@ class FeederDataset(IterableDataset):
         self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
                               retry_for_s=retry_for_s, report_every_s=report_every_s, security=security,
                               regions=regions, prefer=prefer, max_read_ahead=max_read_ahead,
-                              failback_s=failback_s, pin_memory=pin_memory)
+                              failback_s=failback_s, pin_memory=pin_memory,
+                              keep_freed_memory=keep_freed_memory)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
 

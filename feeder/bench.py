@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from feeder import __version__
+from feeder.malloc import keep_freed_memory
 from feeder.net import free_port
 
 CLIENT_PROCS = 2
@@ -150,6 +151,7 @@ def _grpc_server(port_q, seconds, size):
 
     from feeder.service.server import SERVER_OPTIONS, new_loop
 
+    keep_freed_memory()   # as `feeder serve` does: the ceiling runs with the feeder's settings
     payload = b"\1" * size
 
     async def stream(request, context):
@@ -402,10 +404,12 @@ def _drive_counting(args) -> dict:
 
 
 class Clients:
-    """A pool of client processes (spawned once: each imports torch)."""
+    """A pool of client processes (spawned once: each imports torch). Each keeps freed memory
+    as a rank's FeederClient makes its process do, from the start: the counting readers, the
+    ranks and the local DataLoader all run with the same malloc settings."""
 
     def __init__(self, n: int = CLIENT_PROCS):
-        self.pool = mp.get_context("spawn").Pool(n)
+        self.pool = mp.get_context("spawn").Pool(n, initializer=keep_freed_memory)
         self.n = n
 
     def run(self, addresses, job, world, *, seq_len, mb, compression="none", seconds=4.0, step_s=0.0,
@@ -658,6 +662,7 @@ def kafka_figures(cfg: BenchConfig, data: dict) -> dict:
 
 def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
     t_start = time.monotonic()
+    keep_freed_memory()   # for the bare gRPC reader in this process, as in every client process
     data = dataset(cfg)
     L, mb, N, secs = cfg.seq_len, cfg.micro_batch, cfg.ranks, cfg.seconds
     res: dict = {"config": asdict(cfg), "dataset": data, "versions": versions(), "machine": machine(),

@@ -102,7 +102,8 @@ def serve_config(args):
 
 def cmd_serve(args) -> int:
     from feeder import logs
-    from feeder.service.server import keep_freed_memory, new_loop, serve_forever
+    from feeder.malloc import keep_freed_memory
+    from feeder.service.server import new_loop, serve_forever
 
     cfg = serve_config(args)
     logs.setup(cfg.log_format, process=cfg.process_index if cfg.sibling_dir else None)

@@ -155,24 +155,6 @@ async def _set(h, name: str, status) -> None:
         await r
 
 
-def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 64 << 20) -> bool:
-    """Let glibc's malloc reuse the feeder's multi-megabyte buffers instead of mapping fresh
-    pages for each: every reply and every gathered run is a few MiB, allocated and freed ~100
-    times a second per process. With the defaults most of them came from new mmaps (or a heap
-    trimmed back each time) and were faulted in page by page: ~700 page faults per 4 MiB reply,
-    nearly half of what building it cost. Allocations up to 32 MiB now come from the heap, which
-    keeps up to 64 MiB of free memory before returning any. False where this is not glibc."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                             trim_threshold))
-    except (OSError, AttributeError):
-        return False
-
-
 def new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop

@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=2048)
     s.add_argument("--micro-batch", type=int, default=8)
     s.add_argument("--seconds", type=float, default=4.0, help="measuring time per figure")
-    s.add_argument("--message-bytes", type=int, default=4 << 20)
+    s.add_argument("--message-bytes", type=int, default=8 << 20,
+                   help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
     s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
     s.set_defaults(fn=cmd_bench)

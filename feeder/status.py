@@ -1,6 +1,8 @@
 """`feeder status`: a live table of a feeder's jobs and ranks, from its Status call."""
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import grpc
@@ -73,17 +75,22 @@ def show(target: str, *, job: str = "", watch: bool = False, interval: float = 2
         console.print(render(fetch(target, job, security=security), target))
         return 0
     fetch(target, job, security=security)  # a wrong target or job is an error now, not an endless retry loop
+    # Ctrl-C ends the watch between calls, never inside one: a KeyboardInterrupt raised in
+    # gRPC's code can be swallowed or leave a call half torn down (a watch once failed to exit).
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         if not tty:  # a pipe or a log: one snapshot per interval, appended
-            while True:
+            while not stop.is_set():
                 console.print(_view(target, job, security))
                 sys.stdout.flush()
-                time.sleep(interval)
+                stop.wait(interval)
+            return 0
         from rich.live import Live
 
         with Live(_view(target, job, security), console=console, refresh_per_second=4, screen=False) as live:
-            while True:
-                time.sleep(interval)
+            while not stop.wait(interval):
                 live.update(_view(target, job, security))
-    except KeyboardInterrupt:
         return 0
+    finally:
+        signal.signal(signal.SIGINT, previous)

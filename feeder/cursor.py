@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from feeder.errors import FailedPrecondition
 
 try:
-    from feeder._native import cursors as _native_cursors   # the same bytes, ~4x faster, without the GIL
+    from feeder._native import cursors as _native_cursors   # the same bytes, ~4x faster
 except ImportError:  # no C compiler at install
     _native_cursors = None
 
@@ -111,7 +111,7 @@ class CursorWriter:
     segment, and HMAC-SHA256 is run from its two precomputed pads (RFC 2104): the inner hash of
     key^ipad + head is copied and fed the tail, the outer one the inner digest. Where the C
     extension is built, feeder/_native.c does the same for a whole run at once (~0.9 us a
-    cursor, without the GIL that the event loop needs meanwhile). The bytes equal
+    cursor, with the GIL held: see there why). The bytes equal
     Cursor.encode's either way (tests/test_cursor.py)."""
 
     def __init__(self, template: Cursor, secret: bytes):

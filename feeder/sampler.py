@@ -115,6 +115,12 @@ def rank_ids(order: np.ndarray, *, base: int, world: int, rank: int, drop_last: 
     stop = min(stop, per_rank(m, world, drop_last))
     if start >= stop:
         return np.empty(0, dtype=np.int64)
+    first, last = rank + start * world, rank + (stop - 1) * world
+    if last < m:
+        # No padding in reach: a strided view, copied once. (np.arange, the arithmetic and the
+        # fancy indexing below each release the GIL even for a few elements, and under load a
+        # feeder's builder thread then waits milliseconds to get it back from the event loop.)
+        return order[base + first:base + last + 1:world].astype(np.int64)
     g = rank + np.arange(start, stop, dtype=np.int64) * world
     # DistributedSampler pads by cycling the list from its start: padded[g] = R[g mod m].
     g %= m

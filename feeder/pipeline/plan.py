@@ -125,7 +125,7 @@ class StreamPlan:
                 ids = sampler.rank_ids(order, base=base, world=world, rank=s.rank, drop_last=s.drop_last,
                                        start=pos, stop=stop)
                 # Batch j ends at pos + (j + 1) * mb; only an epoch's last batch may be short.
-                stops = np.append(np.arange(pos + mb, stop, mb, dtype=np.int64), stop)
+                stops = np.array([*range(pos + mb, stop, mb), stop], dtype=np.int64)   # (see rank_ids)
                 yield PlannedRun(epoch=epoch, base=base, world=world, start=pos, step=step, ids=ids, stops=stops,
                                  samples_in_epoch=per)
                 step += len(stops)

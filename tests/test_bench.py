@@ -31,6 +31,11 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     assert res["raw_grpc_mb_s"] > 0 and res["raw_grpc_shared_mb_s"] > 0 and not res["feeder_errors"]
     assert res["raw_grpc_h2_mb_s"] > 0 and res["raw_grpc_shared_h2_mb_s"] > 0 and res["feeder_h2_tokens_s"] > 0
     assert all(v > 0 for v in res["reader_cpu_s_per_gb"].values())
+    # The client/local CPU ratio is of medians of 3 interleaved windows each.
+    runs = res["cpu_runs_s_per_mtok"]
+    assert len(runs["client"]) == len(runs["local"]) == 3 and all(x > 0 for x in runs["client"] + runs["local"])
+    assert res["client_cpu_s_per_mtok"] == sorted(runs["client"])[1]
+    assert res["local_cpu_s_per_mtok"] == sorted(runs["local"])[1]
     assert res["max_streams"] == res["max_streams_tried"] == 64, res["max_streams_errors"]
     assert res["wire_bytes_per_token"] < 4.0        # BPE ids in uint16, compressed
     assert res["dataset"]["vocab_size"] < 65536

@@ -350,7 +350,7 @@ static PyObject *frame(PyObject *self, PyObject *args) {
          * (0-6 bytes). Where the prefix has the same size whatever the checksum (nearly always)
          * the tokens go straight into the reply and the prefix is written after them; the rare
          * batch on a varint boundary is cut into a buffer of its own first (staged). */
-        Py_ssize_t first = 0;
+        Py_ssize_t first = 0, n_staged = 0;
         for (Py_ssize_t j = 0; j < k; j++) {
             size_t lo = batch_body(&bs[j], sample_len, dtype, comp, 0);
             if (varint_len(lo) != varint_len(lo + 6)) {
@@ -358,11 +358,10 @@ static PyObject *frame(PyObject *self, PyObject *args) {
                 if (!staged[j]) { PyErr_NoMemory(); goto done; }
                 bs[j].raw = staged[j];
                 bs[j].payload = staged[j];
+                n_staged++;
             }
         }
         /* Rarely any: the GIL is released only for work (see cursors() on why not for less). */
-        Py_ssize_t n_staged = 0;
-        for (Py_ssize_t j = 0; j < k; j++) n_staged += staged[j] != NULL;
         if (n_staged) {
             Py_BEGIN_ALLOW_THREADS
             for (Py_ssize_t j = 0; j < k; first += (Py_ssize_t)bs[j].n, j++)

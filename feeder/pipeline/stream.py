@@ -123,6 +123,11 @@ def job_key(spec: StreamSpec) -> tuple:
 KEY_NAMES = ("dataset", "world_size", "seq_len", "seed", "shuffle", "drop_last")
 
 
+def unknown_job(job: str, known) -> NotFound:
+    """The error for a job nobody streams here, naming those that are (one process's or all's)."""
+    return NotFound(f"job {job!r} is not known to this feeder (known: {sorted(known) or 'none'})")
+
+
 class Jobs:
     """All jobs this feeder serves. Event-loop only (no locks needed).
 
@@ -145,7 +150,7 @@ class Jobs:
     def get(self, job: str) -> Job:
         j = self.jobs.get(job)
         if j is None:
-            raise NotFound(f"job {job!r} is not known to this feeder (known: {sorted(self.jobs) or 'none'})")
+            raise unknown_job(job, self.jobs)
         return j
 
     def attach(self, spec: StreamSpec, stream: "RankStream") -> RankState:

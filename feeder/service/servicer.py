@@ -12,8 +12,9 @@ import grpc
 
 from feeder.config import StreamSpec
 from feeder.engine import Engine
-from feeder.errors import ELSEWHERE, Code, FeederError, NotFound
+from feeder.errors import ELSEWHERE, Code, FeederError
 from feeder.pipeline.batcher import Block
+from feeder.pipeline.stream import unknown_job
 from feeder.siblings import merge
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
@@ -179,8 +180,7 @@ class FeederServicer(pb_grpc.FeederServicer):
         if request.job:
             keep = [j for j in reply.jobs if j.job == request.job]
             if not keep:
-                raise NotFound(f"job {request.job!r} is not known to this feeder (known: "
-                               f"{sorted(j.job for j in reply.jobs) or 'none'})")
+                raise unknown_job(request.job, (j.job for j in reply.jobs))
             del reply.jobs[:]
             reply.jobs.extend(keep)
         return reply

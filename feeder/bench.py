@@ -226,6 +226,15 @@ def raw_grpc_h2_mb_s(seconds: float, size: int) -> float:
 
 # --------------------------------------------------------------------------- feeder processes
 
+def machine_cpu_s() -> dict[str, float]:
+    """The machine's CPU seconds so far (/proc/stat): busy (user, system, interrupts), idle
+    (with I/O wait), and steal (taken by other guests of a shared host)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"busy": (user + nice + system + irq + softirq) / tick, "idle": (idle + iowait) / tick, "steal": steal / tick}
+
+
 class Feeder:
     def __init__(self, source: str, port: int = 0, *, message_bytes: int, extra=()):
         port = port or free_port()
@@ -335,7 +344,9 @@ def _drive_counting(args) -> dict:
 
     reader "grpcio": a grpcio channel per rank, as a rank's client has. "h2": the bench's
     minimal HTTP/2 reader (feeder.h2count), which spends a third to a quarter of grpcio's CPU
-    per byte, so the readers take fewer of the cores the servers they measure run on."""
+    per byte, so the readers take fewer of the cores the servers they measure run on.
+    "h2-discard": the same reader, the kernel dropping the message bodies it never looks at
+    (MSG_TRUNC), so reading costs next to nothing: a stand-in for ranks on other hosts."""
     addresses, job, ranks, world, seq_len, mb, seconds, warm_s, reader = args
     import grpc
 
@@ -381,12 +392,13 @@ def _drive_counting(args) -> dict:
             ch.close()
 
     def with_h2(r) -> tuple[float, int, int]:
-        got = count_stream(addresses[0], method, request(r), seconds=seconds, warm_s=warm_s)
+        got = count_stream(addresses[0], method, request(r), seconds=seconds, warm_s=warm_s,
+                           discard=reader == "h2-discard")
         return got.bytes * per_byte(got.first), got.bytes, got.total
 
     def rank_loop(r):
         try:
-            tokens, nbytes, total = (with_h2 if reader == "h2" else with_grpcio)(r)
+            tokens, nbytes, total = (with_grpcio if reader == "grpcio" else with_h2)(r)
             with lock:
                 out["tokens"] += tokens
                 out["bytes"] += nbytes
@@ -403,6 +415,9 @@ def _drive_counting(args) -> dict:
         t.join(seconds + warm_s + 60)
     out["cpu_s"] = time.process_time() - cpu0
     return out
+
+
+READERS = ("grpcio", "h2", "h2-discard")   # see _drive_counting
 
 
 class Clients:
@@ -434,6 +449,8 @@ class Clients:
     def count(self, addresses, job, world, *, seq_len, mb, seconds=4.0, warm_s=1.0, reader="grpcio") -> dict:
         """Aggregate tokens/s of `world` counting-only streams (see _drive_counting), and the
         readers' CPU seconds per GB taken (all client processes together)."""
+        if reader not in READERS:
+            raise ValueError(f"reader {reader!r}: expected one of {', '.join(READERS)}")
         parts = [list(range(world))[i::self.n] for i in range(self.n)]
         results = self.pool.map(_drive_counting, [(addresses, job, p, world, seq_len, mb, seconds, warm_s, reader)
                                                   for p in parts if p])
@@ -441,8 +458,9 @@ class Clients:
         if errors:
             raise RuntimeError(f"counting clients ({reader}) failed: {errors[:3]}")
         total = sum(r["total"] for r in results)   # all they read, warm-up included, as their CPU is
-        return {"tokens_s": sum(r["tokens"] for r in results) / seconds,
-                "reader_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / (total / 1e9) if total else None}
+        cpu_s = sum(r["cpu_s"] for r in results)
+        return {"tokens_s": sum(r["tokens"] for r in results) / seconds, "reader_cpu_s": cpu_s,
+                "reader_cpu_s_per_gb": cpu_s / (total / 1e9) if total else None}
 
     def close(self):
         self.pool.terminate()
@@ -754,24 +772,29 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         # decode into tensors on the same 2 cores take (the cores then run out first).
         # Each feeder's CPU over the counting run too: tokens per feeder CPU-second shows whether
         # a second process costs the first anything, apart from the cores the machine has.
+        # And where the machine's cores went meanwhile: busy, idle, taken by other guests (steal).
         def counted(job, reader):
-            cpu0, t0 = [f.cpu_s() for f in scaled], time.monotonic()
+            cpu0, m0, t0 = [f.cpu_s() for f in scaled], machine_cpu_s(), time.monotonic()
             got = clients.count([one.address], job, N, seq_len=L, mb=mb, seconds=secs, reader=reader)
             dt = time.monotonic() - t0
             cores = [(f.cpu_s() - c) / dt for f, c in zip(scaled, cpu0)]
-            return got["tokens_s"], cores
+            used = {k: (v - m0[k]) / dt for k, v in machine_cpu_s().items()}
+            used["feeders"], used["readers"] = sum(cores), got["reader_cpu_s"] / dt
+            used["rest"] = used["busy"] - used["feeders"] - used["readers"]
+            return got["tokens_s"], cores, got["reader_cpu_s_per_gb"], {k: round(v, 3) for k, v in used.items()}
 
         scaled = [one]
-        one_proc = {reader: counted(f"scale-1c-{reader}", reader) for reader in ("grpcio", "h2")}
+        one_proc = {reader: counted(f"scale-1c-{reader}", reader) for reader in READERS}
         s1 = clients.run([one.address], "scale-1", N, seq_len=L, mb=mb, compression="none", seconds=secs)
         scaled.append(Feeder(data["shards"], port, message_bytes=cfg.message_bytes))  # same port
         feeders.append(scaled[-1])
-        two_proc = {reader: counted(f"scale-2c-{reader}", reader) for reader in ("grpcio", "h2")}
+        two_proc = {reader: counted(f"scale-2c-{reader}", reader) for reader in READERS}
         s2 = clients.run([one.address], "scale-2", N, seq_len=L, mb=mb, compression="none", seconds=secs)
-        for key, reader in (("scaling", "grpcio"), ("scaling_h2", "h2")):
-            (t1, cores1), (t2, cores2) = one_proc[reader], two_proc[reader]
+        for key, reader in (("scaling", "grpcio"), ("scaling_h2", "h2"), ("scaling_discard", "h2-discard")):
+            (t1, cores1, rd1, m1), (t2, cores2, rd2, m2) = one_proc[reader], two_proc[reader]
             res[key] = {"1": t1, "2": t2, "ratio": t2 / t1, "clients": f"counting ({reader} readers)",
-                        "feeder_cores_1": cores1, "feeder_cores_2": cores2,
+                        "feeder_cores_1": cores1, "feeder_cores_2": cores2, "reader_cpu_s_per_gb": [rd1, rd2],
+                        "machine_cores_1": m1, "machine_cores_2": m2,
                         "tokens_per_feeder_cpu_s_1": t1 / sum(cores1), "tokens_per_feeder_cpu_s_2": t2 / sum(cores2)}
         res["scaling_decoding_clients"] = {"1": s1["tokens_s"], "2": s2["tokens_s"],
                                            "ratio": s2["tokens_s"] / s1["tokens_s"]}
@@ -812,11 +835,13 @@ def ratios(r: dict) -> dict:
         "max_streams": (r["max_streams"], 256),
         "scaling_2_vs_1": (r["scaling"]["ratio"], 1.6),
         "scaling_2_vs_1_h2": (r["scaling_h2"]["ratio"], 1.6),
+        "scaling_2_vs_1_discard": (r["scaling_discard"]["ratio"], 1.6),
     }
     if "kafka_ratio" in r:
         out["kafka_source_vs_bare_consume"] = (r["kafka_ratio"], 0.5)
     at_least = {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
-                "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "kafka_source_vs_bare_consume"}
+                "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "scaling_2_vs_1_discard",
+                "kafka_source_vs_bare_consume"}
     return {k: {"value": v, "target": t, "met": (v >= t) if k in at_least else (v <= t)}
             for k, (v, t) in out.items() if v is not None}
 
@@ -846,7 +871,7 @@ def table(r: dict) -> str:
         ("wire_bytes_per_token", f"{r['wire_bytes_per_token']:.3f}"),
         ("feeder_rss_mb (64 ranks)", f"{r['feeder_rss_mb']:.0f} MB"),
         ("max_streams", f"{r['max_streams']} of {r['max_streams_tried']}"),
-        *[row for key in ("scaling", "scaling_h2") for row in _scaling_rows(r[key])],
+        *[row for key in ("scaling", "scaling_h2", "scaling_discard") for row in _scaling_rows(r[key])],
         ("  with decoding clients", f"{r['scaling_decoding_clients']['1'] / 1e6:,.1f} -> "
                                     f"{r['scaling_decoding_clients']['2'] / 1e6:,.1f} M tok/s"),
     ]
@@ -866,7 +891,11 @@ def _scaling_rows(sc: dict) -> list[tuple[str, str]]:
             ("  per feeder CPU-second", f"{sc['tokens_per_feeder_cpu_s_1'] / 1e6:,.1f} -> "
                                         f"{sc['tokens_per_feeder_cpu_s_2'] / 1e6:,.1f} M tok "
                                         f"(feeders used {sum(sc['feeder_cores_1']):.2f} -> "
-                                        f"{sum(sc['feeder_cores_2']):.2f} cores)")]
+                                        f"{sum(sc['feeder_cores_2']):.2f} cores; readers "
+                                        f"{sc['reader_cpu_s_per_gb'][0]:.2f} core-s/GB)"),
+            ("  the machine's cores, 2 procs", "busy {busy:.2f} (feeders {feeders:.2f}, readers {readers:.2f}, rest "
+                                              "{rest:.2f}), idle {idle:.2f}, steal {steal:.2f}".format(
+                                                  **sc["machine_cores_2"]))]
 
 
 def plot(r: dict, path: str) -> None:

@@ -42,6 +42,13 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     assert [c["ranks"] for c in res["curve"]] == [1, 2, 4, 8]
     assert res["scaling"]["1"] > 0 and res["scaling"]["2"] > 0 and res["scaling_decoding_clients"]["2"] > 0
     assert res["scaling_h2"]["1"] > 0 and res["scaling_h2"]["2"] > 0
-    assert {"feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket_h2", "scaling_2_vs_1_h2"} <= set(res["ratios"])
+    assert res["scaling_discard"]["1"] > 0 and res["scaling_discard"]["2"] > 0
+    assert all(x > 0 for x in res["scaling_discard"]["reader_cpu_s_per_gb"])
+    for n in "12":   # where the cores went while the feeders were read: adds up to the machine's
+        m = res["scaling_discard"][f"machine_cores_{n}"]
+        assert m["busy"] > m["feeders"] > 0 and m["readers"] > 0
+        assert 0.5 * res["machine"]["cpus"] < m["busy"] + m["idle"] + m["steal"] < 1.5 * res["machine"]["cpus"]
+    assert {"feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket_h2", "scaling_2_vs_1_h2",
+            "scaling_2_vs_1_discard"} <= set(res["ratios"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "feeder_vs_grpc_tokens" in r.stdout and "met" in r.stdout

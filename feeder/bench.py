@@ -16,6 +16,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -46,6 +47,13 @@ class BenchConfig:
     vocab: int = 32000
     kafka: str = "127.0.0.1:9092"     # "" to skip the Kafka figures
     quick: bool = False
+    rounds: int = 3                    # of the ceilings and the feeder, interleaved; medians reported
+
+    def __post_init__(self):
+        from feeder.config import _positive
+
+        for name in ("ranks", "seq_len", "micro_batch", "message_bytes", "rounds"):
+            _positive(name, getattr(self, name))
 
 
 def say(msg: str) -> None:
@@ -687,31 +695,43 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
     L, mb, N, secs = cfg.seq_len, cfg.micro_batch, cfg.ranks, cfg.seconds
     res: dict = {"config": asdict(cfg), "dataset": data, "versions": versions(), "machine": machine(),
                  "tokens_per_batch": mb * (L + 1), "message_bytes": cfg.message_bytes}
-    say(f"ceilings: raw TCP socket and bare grpc.aio stream, {cfg.message_bytes >> 20} MiB messages")
-    res["raw_socket_mb_s"] = raw_socket_mb_s(secs, cfg.message_bytes)
-    res["raw_grpc_mb_s"] = raw_grpc_mb_s(secs, cfg.message_bytes)
-    res["raw_grpc_h2_mb_s"] = raw_grpc_h2_mb_s(secs, cfg.message_bytes)
     clients = Clients()
     feeders: list[Feeder] = []
     try:
+        f = Feeder(data["shards"], message_bytes=cfg.message_bytes)
+        feeders.append(f)
+        # The ceilings and what the feeder serves, in rounds, and the median of each: this
+        # shared machine's speed drifts (the socket alone read 1.5 to 3.0 GB/s across one
+        # afternoon's runs), so a ceiling taken minutes before the feeder can skew their ratio.
+        # The feeder is taken by clients that count what arrives, as the ceilings' clients do,
+        # so each ratio compares like with like; ranks that decode into tensors follow below.
+        # With the minimal HTTP/2 reader too: what it serves when its readers take a third to a
+        # quarter of the cores grpcio's do (ranks run elsewhere in production).
+        rounds: dict[str, list[float]] = {k: [] for k in (
+            "raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_h2_mb_s", "feeder_tokens_s", "feeder_h2_tokens_s",
+            "reader_grpcio_cpu_s_per_gb", "reader_h2_cpu_s_per_gb")}
+        for i in range(cfg.rounds):
+            say(f"round {i + 1} of {cfg.rounds}: the socket, bare grpc.aio ({cfg.message_bytes >> 20} MiB messages) "
+                f"and the feeder ({N} ranks, compression off)")
+            rounds["raw_socket_mb_s"].append(raw_socket_mb_s(secs, cfg.message_bytes))
+            rounds["raw_grpc_mb_s"].append(raw_grpc_mb_s(secs, cfg.message_bytes))
+            rounds["raw_grpc_h2_mb_s"].append(raw_grpc_h2_mb_s(secs, cfg.message_bytes))
+            for reader in ("grpcio", "h2"):
+                got = clients.count([f.address], f"agg-count-{reader}-{i}", N, seq_len=L, mb=mb, seconds=secs,
+                                    reader=reader)
+                rounds["feeder_tokens_s" if reader == "grpcio" else "feeder_h2_tokens_s"].append(got["tokens_s"])
+                rounds[f"reader_{reader}_cpu_s_per_gb"].append(got["reader_cpu_s_per_gb"])
+        med = {k: statistics.median(v) for k, v in rounds.items()}
+        res["rounds"] = rounds
+        for k in ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_h2_mb_s", "feeder_tokens_s", "feeder_h2_tokens_s"):
+            res[k] = med[k]
+        res["feeder_mb_s"] = res["feeder_tokens_s"] * 2 / 1e6   # uint16 payload; see feeder_wire_mb_s for the envelope
+        res["feeder_h2_mb_s"] = res["feeder_h2_tokens_s"] * 2 / 1e6
+        res["reader_cpu_s_per_gb"] = {"grpcio": med["reader_grpcio_cpu_s_per_gb"], "h2": med["reader_h2_cpu_s_per_gb"]}
         say(f"the bare grpc.aio stream again, taken by {N} counting streams in {clients.n} client processes")
         res["raw_grpc_shared_mb_s"] = raw_grpc_shared_mb_s(clients, secs, cfg.message_bytes, N)
         res["raw_grpc_shared_h2_mb_s"] = raw_grpc_shared_mb_s(clients, secs, cfg.message_bytes, N, reader="h2")
-        f = Feeder(data["shards"], message_bytes=cfg.message_bytes)
-        feeders.append(f)
-        say(f"feeder: {N} ranks, compression off")
-        # What the feeder serves, taken by clients that count what arrives, as the ceilings'
-        # clients do: the ratio to raw_grpc_mb_s then compares like with like. The same ranks
-        # decoding every batch into a tensor on the same 2 cores follow (feeder_decoded_tokens_s).
-        got = clients.count([f.address], "agg-count", N, seq_len=L, mb=mb, seconds=secs)
-        res["feeder_tokens_s"] = got["tokens_s"]
-        res["feeder_mb_s"] = res["feeder_tokens_s"] * 2 / 1e6   # uint16 payload; see feeder_wire_mb_s for the envelope
-        # The same, read by the minimal HTTP/2 reader: what the feeder serves when its readers
-        # take a third to a quarter of the cores grpcio's do (ranks run elsewhere in production).
-        got_h2 = clients.count([f.address], "agg-count-h2", N, seq_len=L, mb=mb, seconds=secs, reader="h2")
-        res["feeder_h2_tokens_s"] = got_h2["tokens_s"]
-        res["feeder_h2_mb_s"] = res["feeder_h2_tokens_s"] * 2 / 1e6
-        res["reader_cpu_s_per_gb"] = {"grpcio": got["reader_cpu_s_per_gb"], "h2": got_h2["reader_cpu_s_per_gb"]}
+        say(f"feeder: {N} ranks decoding into tensors, compression off")
         r = clients.run([f.address], "agg-none", N, seq_len=L, mb=mb, compression="none", seconds=secs)
         res["feeder_decoded_tokens_s"] = r["tokens_s"]
         res["feeder_errors"] = r["errors"]
@@ -847,18 +867,22 @@ def ratios(r: dict) -> dict:
 
 
 def table(r: dict) -> str:
+    def of_rounds(key: str, scale: float = 1.0) -> str:
+        return f"median of {', '.join(f'{x / scale:,.0f}' for x in r['rounds'][key])}"
+
     rows = [
-        ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s"),
-        ("raw_grpc_mb_s", f"{r['raw_grpc_mb_s']:,.0f} MB/s"),
+        ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
+        ("raw_grpc_mb_s", f"{r['raw_grpc_mb_s']:,.0f} MB/s ({of_rounds('raw_grpc_mb_s')})"),
         ("raw_grpc_shared_mb_s", f"{r.get('raw_grpc_shared_mb_s', 0):,.0f} MB/s ({r['config']['ranks']} counting streams, "
                                  "as the feeder's)"),
-        ("raw_grpc_h2_mb_s", f"{r['raw_grpc_h2_mb_s']:,.0f} MB/s; {r['raw_grpc_shared_h2_mb_s']:,.0f} MB/s shared "
-                             "(read by the minimal HTTP/2 reader)"),
-        ("feeder_tokens_s", f"{r['feeder_tokens_s'] / 1e6:,.1f} M tok/s ({r['config']['ranks']} ranks, none, served)"),
+        ("raw_grpc_h2_mb_s", f"{r['raw_grpc_h2_mb_s']:,.0f} MB/s ({of_rounds('raw_grpc_h2_mb_s')}); "
+                             f"{r['raw_grpc_shared_h2_mb_s']:,.0f} MB/s shared (read by the minimal HTTP/2 reader)"),
+        ("feeder_tokens_s", f"{r['feeder_tokens_s'] / 1e6:,.1f} M tok/s ({r['config']['ranks']} ranks, none, served; "
+                            f"{of_rounds('feeder_tokens_s', 1e6)})"),
         ("feeder_decoded_tokens_s", f"{r['feeder_decoded_tokens_s'] / 1e6:,.1f} M tok/s (ranks decode into tensors)"),
         ("feeder_mb_s", f"{r['feeder_mb_s']:,.0f} MB/s"),
         ("feeder_h2_tokens_s", f"{r['feeder_h2_tokens_s'] / 1e6:,.1f} M tok/s = {r['feeder_h2_mb_s']:,.0f} MB/s "
-                               "(HTTP/2 readers)"),
+                               f"(HTTP/2 readers; {of_rounds('feeder_h2_tokens_s', 1e6)})"),
         ("reader CPU s per GB", f"grpcio {r['reader_cpu_s_per_gb']['grpcio'] or 0:.2f}, "
                                 f"HTTP/2 reader {r['reader_cpu_s_per_gb']['h2'] or 0:.2f}"),
         ("feeder_zstd_tokens_s", f"{r['feeder_zstd_tokens_s'] / 1e6:,.1f} M tok/s"),

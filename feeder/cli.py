@@ -41,6 +41,7 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(data=args.data, ranks=args.ranks, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       seconds=args.seconds, message_bytes=args.message_bytes, kafka=args.kafka, quick=args.quick,
+                      rounds=args.rounds,
                       corpus_bytes=(2 << 20) if args.quick else (12 << 20))
     r = run(cfg, json_path=args.json, plot_path=args.plot)
     print(table(r))
@@ -340,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=2048)
     s.add_argument("--micro-batch", type=int, default=8)
     s.add_argument("--seconds", type=float, default=4.0, help="measuring time per figure")
+    s.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the ceilings and the feeder, interleaved; each figure is their median")
     s.add_argument("--message-bytes", type=int, default=8 << 20,
                    help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")

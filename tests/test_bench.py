@@ -20,7 +20,7 @@ FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_shared_mb_s", "raw_grpc_
 
 def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     out, png = tmp_path / "r.json", tmp_path / "p.png"
-    r = subprocess.run([sys.executable, "-m", "feeder.cli", "bench", "--quick", "--seconds", "0.5",
+    r = subprocess.run([sys.executable, "-m", "feeder.cli", "bench", "--quick", "--seconds", "0.5", "--rounds", "2",
                         "--data", str(tmp_path / "data"), "--kafka", kafka_broker, "--json", str(out),
                         "--plot", str(png)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -31,6 +31,9 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     assert res["raw_grpc_mb_s"] > 0 and res["raw_grpc_shared_mb_s"] > 0 and not res["feeder_errors"]
     assert res["raw_grpc_h2_mb_s"] > 0 and res["raw_grpc_shared_h2_mb_s"] > 0 and res["feeder_h2_tokens_s"] > 0
     assert all(v > 0 for v in res["reader_cpu_s_per_gb"].values())
+    # ceilings and feeder taken in interleaved rounds; each figure is the median of its rounds
+    for k in ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_h2_mb_s", "feeder_tokens_s", "feeder_h2_tokens_s"):
+        assert len(res["rounds"][k]) == 2 and res[k] == pytest.approx(sum(res["rounds"][k]) / 2), k
     # The client/local CPU ratio is of medians of 3 interleaved windows each.
     runs = res["cpu_runs_s_per_mtok"]
     assert len(runs["client"]) == len(runs["local"]) == 3 and all(x > 0 for x in runs["client"] + runs["local"])

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,12 +46,35 @@ def read_ids(d: Path, rank: int):
     return [json.loads(l) for l in (d / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture
+def planted_segments():
+    """Segments as earlier DeepSpeed runs leave them: an old one nothing maps (to be freed), a
+    fresh one (a job may be creating it) and an old one this process maps (in use): both kept."""
+    base = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.9_"
+    paths = {k: Path(f"{base}{port}_0") for k, port in (("orphan", 1), ("fresh", 2), ("mapped", 3))}
+    for p in paths.values():
+        p.write_bytes(b"\0" * 4096)
+    for k in ("orphan", "mapped"):
+        os.utime(paths[k], (time.time() - 7200,) * 2)
+    fd = os.open(paths["mapped"], os.O_RDWR)
+    m = mmap.mmap(fd, 4096)
+    yield paths
+    m.close()
+    os.close(fd)
+    for p in paths.values():
+        p.unlink(missing_ok=True)
+
+
 @pytest.mark.timeout(800)
-def test_resumed_ranks_receive_exactly_the_samples_of_an_uninterrupted_run(dataset, tmp_path):
+def test_resumed_ranks_receive_exactly_the_samples_of_an_uninterrupted_run(dataset, tmp_path, planted_segments):
     shm_before = ds_shm_segments()
     with ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0")) as srv:
         out = train(srv.address, "straight", tmp_path, "--steps", "12", "--log-ids", str(tmp_path / "a"))
         assert "done: 12 steps" in out and "tokens/s" in out and "data-wait" in out
+        # what earlier runs left is freed, and only that
+        assert "shared-memory segments" in out and "that earlier DeepSpeed runs left" in out
+        assert not planted_segments["orphan"].exists()
+        assert planted_segments["fresh"].exists() and planted_segments["mapped"].exists()
         # checkpoint at step 6, crash at step 9: the feeder has streamed well past step 6 by then
         train(srv.address, "crashed", tmp_path, "--steps", "12", "--save-every", "6", "--crash-at-step", "9",
               "--ckpt-dir", str(tmp_path / "ck"), "--log-ids", str(tmp_path / "b"), expect_rc=17)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -65,22 +66,51 @@ def ds_config(args, on_gpu: bool) -> dict:
     return cfg
 
 
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer_"   # DeepSpeed's shm.cpp: {prefix}{uid}_{addr}_{port}_{rank}
+
+
 def release_shm_names(rank: int) -> int:
     """Unlink this rank's segment of DeepSpeed's CPU shared-memory all-reduce; returns how many.
 
     On a CPU host DeepSpeed builds that op and, when every rank is local, gives each rank a
-    66 MiB POSIX segment (/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}) that
-    it never unlinks: each run of 2 ranks left 132 MiB of RAM behind, and 150 runs filled
-    20 GiB of a 24 GiB host, where a later test run stalled. DeepSpeed's initialize maps every peer's segment
-    before it returns, so after a barrier the names are no longer needed: unlinked now, the
-    kernel frees the memory when the ranks exit, however they exit (a crash included)."""
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    66 MiB POSIX segment that it never unlinks: each run of 2 ranks left 132 MiB of RAM
+    behind, and 150 runs filled 20 GiB of a 24 GiB host, where a later test run stalled.
+    DeepSpeed's initialize maps every peer's segment before it returns, so after a barrier the
+    names are no longer needed: unlinked now, the kernel frees the memory when the ranks exit,
+    however they exit (a crash included)."""
+    name = f"{SHM_PREFIX}{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{rank}"
     try:
-        os.unlink(Path("/dev/shm") / name)
+        os.unlink(SHM_DIR / name)
         return 1
     except FileNotFoundError:   # a GPU host, ranks on several hosts, or no shm op
         return 0
+
+
+def clear_orphaned_shm(min_age_s: float = 60.0) -> tuple[int, int]:
+    """Remove this user's DeepSpeed segments that earlier runs left (those of trainers without
+    release_shm_names): ones no process maps and older than min_age_s, so a segment a starting
+    job has just created is never taken. Returns (segments, bytes) freed."""
+    mine = list(SHM_DIR.glob(f"{SHM_PREFIX}{os.getuid()}_*"))
+    if not mine:
+        return 0, 0
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(re.findall(rf"/dev/shm/({SHM_PREFIX}\S+)", maps.read_text()))
+        except OSError:   # gone meanwhile, or not ours to read (then its segments are not ours)
+            continue
+    count = freed = 0
+    for seg in mine:
+        try:
+            st = seg.stat()
+            if seg.name in mapped or time.time() - st.st_mtime < min_age_s:
+                continue
+            seg.unlink()
+        except FileNotFoundError:
+            continue
+        count, freed = count + 1, freed + st.st_size
+    return count, freed
 
 
 def main(argv=None) -> int:
@@ -90,6 +120,11 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     on_gpu = torch.cuda.is_available()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        n, freed = clear_orphaned_shm()
+        if n:
+            print(f"freed {n} shared-memory segments ({freed >> 20} MiB) that earlier DeepSpeed runs left in "
+                  f"{SHM_DIR}", flush=True)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()  # every rank has mapped its peers' shm segments: their names can go

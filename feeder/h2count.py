@@ -129,11 +129,14 @@ class _Reader:
             if self.seconds is not None:
                 self.t_open = now + self.warm_s
                 self.t_close = self.t_open + self.seconds
-        if self.t_open is not None and self.t_open <= now < self.t_close:
+        if self._in_window(now):
             self.out.messages += 1
 
+    def _in_window(self, now: float) -> bool:
+        return self.t_open is not None and self.t_open <= now < self.t_close
+
     def _data(self, chunk: memoryview, now: float) -> None:
-        counting = self.t_open is not None and self.t_open <= now < self.t_close
+        counting = self._in_window(now)
         i, n = 0, len(chunk)
         while i < n:
             if self.left == 0:
@@ -211,11 +214,10 @@ class _Reader:
                 now = time.monotonic()
                 frame_left -= n
                 self.out.dropped += n
-                self._took(n, now, self.t_open is not None and self.t_open <= now < self.t_close)
+                self._took(n, now, self._in_window(now))
                 if frame_left == 0 and data_ends:
                     raise StreamError("the stream ended without trailers")
-                have = 0   # pos == have == 0: nothing for the parser below
-            else:   # discarding, headers and prefixes come in small reads, and bodies go unread
+            else:   # discarding, read at most 64 KiB: little of a body is copied past a header
                 n = sock.recv_into(view[have:], min(65536, len(buf) - have) if self.discard else 0)
                 if n == 0:
                     raise StreamError("the server closed the connection")

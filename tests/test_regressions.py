@@ -252,3 +252,25 @@ def test_ranks_disagreeing_on_batches_per_epoch_are_refused(feeder, field, their
     assert e.value.code == Code.FAILED_PRECONDITION
     assert f"{field}={base[field]!r}" in str(e.value) and f"{field}={theirs!r}" in str(e.value)
     r0.close()
+
+
+# -- found by the property tests --------------------------------------------------------------
+
+def test_reshard_at_an_epochs_end_does_not_deal_drop_lasts_tail_again():
+    """n=10, world 4, drop_last: ids 2 and 4 are left out of epoch 0. A job that checkpointed
+    right after the epoch's last batch and resumed with world 1 (reshard) got epoch 0 steps 2-3
+    with ids [2] and [4]; now it goes on with epoch 1, as an uninterrupted run would."""
+    from feeder.cursor import DEV_SECRET, Cursor
+    from feeder.pipeline.plan import StreamPlan
+
+    def spec(world, rank, **kw):
+        return StreamSpec(job="tail", rank=rank, world_size=world, seq_len=1, micro_batch=1, seed=3,
+                          drop_last=True, num_epochs=2, **kw)
+
+    last = list(StreamPlan(spec(4, 0), n_tokens=11, fingerprint="f", cursor=None).batches())
+    end_of_epoch0 = [b for b in last if b.epoch == 0][-1].cursor
+    resumed = list(StreamPlan(spec(1, 0, reshard=True), n_tokens=11, fingerprint="f",
+                              cursor=Cursor.decode(end_of_epoch0.encode(DEV_SECRET), DEV_SECRET)).batches())
+    assert {b.epoch for b in resumed} == {1}
+    assert [int(i) for b in resumed for i in b.ids] == reference_ids(10, 1, 0, shuffle=True, seed=3, drop_last=True,
+                                                                    epoch=1)

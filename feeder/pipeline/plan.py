@@ -100,6 +100,10 @@ class StreamPlan:
                                      f"{theirs!r}, the request has {ours!r}{hint}",
                                      elsewhere=name == "dataset fingerprint")  # this replica's data
         if s.reshard:
+            if c.pos >= sampler.per_rank(self.n - c.base, c.world_size, s.drop_last):
+                # The old dealing ran to its end, and so did the epoch: what drop_last left out
+                # of it stays out, as in an uninterrupted run, rather than be dealt again.
+                return Start(epoch=c.epoch + 1, base=0, world=s.world_size, pos=0, step=0)
             base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
         return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)

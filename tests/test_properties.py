@@ -65,12 +65,19 @@ def sampler_cases(draw):
                 drop_last=draw(st.booleans()))
 
 
-@_examples(300)
-@given(case=sampler_cases(), window=st.tuples(st.integers(0, 200), st.integers(0, 200)))
+@st.composite
+def windows(draw, length: int):
+    """[start, stop) of a list of `length`: anywhere in it (deep ones too), empty, reversed, or past its end."""
+    start = draw(st.integers(0, length + 2))
+    return start, draw(st.one_of(st.integers(start, length + 2), st.integers(0, length + 2)))
+
+
+@_examples(400)
+@given(case=sampler_cases(), data=st.data())
 @example(case=dict(n=3, world=64, rank=63, seed=2**32 + 1, epoch=2**31, shuffle=True, drop_last=False),
-         window=(0, 1))
-@example(case=dict(n=1, world=1, rank=0, seed=2**63 - 1, epoch=0, shuffle=True, drop_last=True), window=(0, 1))
-def test_rank_ids_equal_distributed_sampler_id_by_id(case, window):
+         data=None)
+@example(case=dict(n=1, world=1, rank=0, seed=2**63 - 1, epoch=0, shuffle=True, drop_last=True), data=None)
+def test_rank_ids_equal_distributed_sampler_id_by_id(case, data):
     want = reference_ids(case["n"], case["world"], case["rank"], shuffle=case["shuffle"], seed=case["seed"],
                          drop_last=case["drop_last"], epoch=case["epoch"])
     per = sampler.per_rank(case["n"], case["world"], case["drop_last"])
@@ -80,11 +87,32 @@ def test_rank_ids_equal_distributed_sampler_id_by_id(case, window):
     # stop past the end is clamped to the rank's list, as a caller asking for "the rest" relies on
     assert sampler.rank_ids(order, start=0, stop=per + 7, **kw).tolist() == want
     # any window of the list, empty and out-of-range ones included (both the strided and the padded path)
-    start, stop = window
+    start, stop = data.draw(windows(per), label="window") if data else (0, 1)
     assert sampler.rank_ids(order, start=start, stop=stop, **kw).tolist() == want[start:stop]
 
 
-@_examples(80)
+@_examples(200)
+@given(case=sampler_cases(), data=st.data())
+def test_segment_is_distributed_sampler_over_the_rest_of_the_order(case, data):
+    """A segment (base, world) deals order[base:] exactly as DistributedSampler deals a dataset of
+    n - base samples without shuffling: the same padding by cycling, the same dropped tail."""
+    from torch.utils.data import DistributedSampler
+
+    n, world, rank, drop_last = case["n"], case["world"], case["rank"], case["drop_last"]
+    base = data.draw(st.integers(0, n - 1), label="base")
+    order = sampler.epoch_order(n, case["seed"], case["epoch"], case["shuffle"])
+    local = list(DistributedSampler(range(n - base), num_replicas=world, rank=rank, shuffle=False,
+                                    drop_last=drop_last))
+    want = [int(order[base + i]) for i in local]
+    per = sampler.per_rank(n - base, world, drop_last)
+    assert per == len(want)
+    kw = dict(base=base, world=world, rank=rank, drop_last=drop_last)
+    assert sampler.rank_ids(order, start=0, stop=per + 1, **kw).tolist() == want
+    start, stop = data.draw(windows(per), label="window")
+    assert sampler.rank_ids(order, start=start, stop=stop, **kw).tolist() == want[start:stop]
+
+
+@_examples(100)
 @given(n=st.integers(0, 3000), seed=st.one_of(st.integers(0, 2**33), st.integers(0, U64)))
 def test_randperm_native_and_torch_fallback_equal_torch(n, seed):
     """The C Fisher-Yates and the fallback without it (torch's own) give torch.randperm's permutation."""
@@ -123,7 +151,7 @@ def _key(b):
     return b.epoch, b.step, b.ids.tolist(), b.cursor, b.samples_in_epoch
 
 
-@_examples(80)
+@_examples(150)
 @given(case=plan_cases(), picks=st.lists(st.integers(0, 10**6), max_size=6), max_batches=st.integers(1, 9))
 def test_plan_is_distributed_sampler_and_resumes_from_any_batch(case, picks, max_batches):
     n, sp = case["n"], case["spec"]
@@ -141,7 +169,8 @@ def test_plan_is_distributed_sampler_and_resumes_from_any_batch(case, picks, max
             assert [i for b in mine for i in b.ids.tolist()] == want, epoch
             assert [b.step for b in mine] == list(range(len(mine)))
             # full micro-batches; only an epoch's last may be short
-            assert all(len(b.ids) == spec.micro_batch for b in mine[:-1]) and 0 < len(mine[-1].ids) <= spec.micro_batch
+            assert all(len(b.ids) == spec.micro_batch for b in mine[:-1])
+            assert 0 < len(mine[-1].ids) <= spec.micro_batch
             counts.append(len(mine))
         assert [b.epoch for b in batches] == sorted(b.epoch for b in batches)
         per_epoch_counts.append(counts)
@@ -175,7 +204,7 @@ def test_plan_refuses_drop_last_when_every_rank_would_get_nothing(nw):
 
 
 @pytest.mark.xfail(strict=True, raises=(OverflowError, struct.error),
-                   reason="found by these properties, reported, not fixed here: StreamSpec accepts epoch + "
+                   reason="found while writing these properties, reported, not fixed here: StreamSpec accepts epoch + "
                           "num_epochs past 2^32 (both uint32 in the proto), the plan reaches epoch 2^32, and "
                           "the cursor cannot hold it: the stream dies mid-way with INTERNAL instead of being "
                           "refused up front. Remove this marker with the fix.")
@@ -221,7 +250,7 @@ def test_cursor_round_trips(c, secret):
     assert Cursor.decode(c.encode(secret), secret) == c
 
 
-@_examples(60)
+@_examples(100)
 @given(c=cursors(), secret=secrets_)
 def test_cursor_any_single_bit_flip_or_truncation_is_refused(c, secret):
     """Every bit of every byte, and every shorter prefix: FailedPrecondition, never another
@@ -252,7 +281,7 @@ def writer_runs(draw):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
-@_examples(100)
+@_examples(150)
 @given(template=cursors(), secret=secrets_, runs=writer_runs())
 def test_cursor_writer_many_equals_encode(native, template, secret, runs):
     if native:
@@ -273,7 +302,7 @@ def test_cursor_writer_many_equals_encode(native, template, secret, runs):
 def elastic_cases(draw):
     n = draw(st.integers(1, 400))
     drop_last = draw(st.booleans())
-    worlds = st.integers(1, min(12, n) if drop_last else 12)   # drop_last with n < world: refused (above)
+    worlds = st.integers(1, min(32, n) if drop_last else 32)   # drop_last with n < world: refused (above)
     changes = draw(st.lists(st.tuples(st.integers(0, 10**6), worlds), max_size=4))
     return dict(n=n, drop_last=drop_last, world=draw(worlds), changes=changes, mb=draw(st.integers(1, 6)),
                 seed=draw(seeds), epoch=draw(epochs), shuffle=draw(st.booleans()),
@@ -333,7 +362,7 @@ def _simulate(case, pick):
     return segments, dealings, inside
 
 
-@_examples(150)
+@_examples(300)
 @given(case=elastic_cases())
 def test_elastic_redealing_delivers_each_id_once_up_to_padding(case):
     n, drop_last = case["n"], case["drop_last"]

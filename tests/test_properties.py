@@ -1,0 +1,388 @@
+"""Property tests (Hypothesis) for the pure parts: sampler, planning, cursor, elastic re-dealing.
+
+The example-based tests (test_sampler.py, test_cursor.py) pin chosen cases; these draw the inputs,
+so a case nobody thought of (n < world, a seed above 2^32, a cursor of odd length) is tried too.
+
+Deterministic by default: the "feeder-ci" profile derandomizes (the same examples on every run and
+every machine, so a red CI run is reproducible by rerunning it) and keeps no database. To hunt for
+new failures with fresh random examples, run with FEEDER_HYPOTHESIS_PROFILE=feeder-explore; a
+failure prints the falsifying example and a @reproduce_failure blob to pin it with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import sys
+from collections import Counter
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from feeder import cursor as cursor_mod
+from feeder import sampler
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor, CursorWriter
+from feeder.errors import FailedPrecondition, InvalidArgument
+from feeder.pipeline.plan import StreamPlan
+from tests.helpers import reference_ids
+
+settings.register_profile(
+    "feeder-ci", derandomize=True, database=None, deadline=None, print_blob=True, max_examples=60,
+    # the planning and elastic properties build several plans per example: slow by design
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "feeder-explore", derandomize=False, database=None, deadline=None, print_blob=True, max_examples=2000,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# Loaded here, not in conftest: only this module uses Hypothesis, and the env var lets one run
+# explore without editing the file.
+settings.load_profile(os.environ.get("FEEDER_HYPOTHESIS_PROFILE", "feeder-ci"))
+
+SECRET = b"property-secret"
+U32, U64 = 2**32 - 1, 2**64 - 1
+
+# Seeds: the low 32 bits are what MT19937 sees, so both small seeds and seeds beyond 2^32 matter.
+seeds = st.one_of(st.integers(0, 2**33), st.integers(0, 2**63 - 1))
+epochs = st.integers(0, 2**31)
+
+
+def _examples(n: int):
+    """max_examples scaled from the loaded profile (explore runs each property proportionally more)."""
+    return settings(max_examples=max(1, settings.default.max_examples * n // 60))
+
+
+# ----------------------------------------------------------------------------- 1. sampler vs torch
+
+@st.composite
+def sampler_cases(draw):
+    n = draw(st.one_of(st.integers(1, 70), st.integers(1, 5000)))   # small n: often n < world
+    world = draw(st.integers(1, 64))
+    rank = draw(st.integers(0, world - 1))
+    return dict(n=n, world=world, rank=rank, seed=draw(seeds), epoch=draw(epochs), shuffle=draw(st.booleans()),
+                drop_last=draw(st.booleans()))
+
+
+@st.composite
+def windows(draw, length: int):
+    """[start, stop) of a list of `length`: anywhere in it (deep ones too), empty, reversed, or past its end."""
+    start = draw(st.integers(0, length + 2))
+    return start, draw(st.one_of(st.integers(start, length + 2), st.integers(0, length + 2)))
+
+
+@_examples(400)
+@given(case=sampler_cases(), data=st.data())
+@example(case=dict(n=3, world=64, rank=63, seed=2**32 + 1, epoch=2**31, shuffle=True, drop_last=False),
+         data=None)
+@example(case=dict(n=1, world=1, rank=0, seed=2**63 - 1, epoch=0, shuffle=True, drop_last=True), data=None)
+def test_rank_ids_equal_distributed_sampler_id_by_id(case, data):
+    want = reference_ids(case["n"], case["world"], case["rank"], shuffle=case["shuffle"], seed=case["seed"],
+                         drop_last=case["drop_last"], epoch=case["epoch"])
+    per = sampler.per_rank(case["n"], case["world"], case["drop_last"])
+    assert per == len(want)
+    order = sampler.epoch_order(case["n"], case["seed"], case["epoch"], case["shuffle"])
+    kw = dict(base=0, world=case["world"], rank=case["rank"], drop_last=case["drop_last"])
+    # stop past the end is clamped to the rank's list, as a caller asking for "the rest" relies on
+    assert sampler.rank_ids(order, start=0, stop=per + 7, **kw).tolist() == want
+    # any window of the list, empty and out-of-range ones included (both the strided and the padded path)
+    start, stop = data.draw(windows(per), label="window") if data else (0, 1)
+    assert sampler.rank_ids(order, start=start, stop=stop, **kw).tolist() == want[start:stop]
+
+
+@_examples(200)
+@given(case=sampler_cases(), data=st.data())
+def test_segment_is_distributed_sampler_over_the_rest_of_the_order(case, data):
+    """A segment (base, world) deals order[base:] exactly as DistributedSampler deals a dataset of
+    n - base samples without shuffling: the same padding by cycling, the same dropped tail."""
+    from torch.utils.data import DistributedSampler
+
+    n, world, rank, drop_last = case["n"], case["world"], case["rank"], case["drop_last"]
+    base = data.draw(st.integers(0, n - 1), label="base")
+    order = sampler.epoch_order(n, case["seed"], case["epoch"], case["shuffle"])
+    local = list(DistributedSampler(range(n - base), num_replicas=world, rank=rank, shuffle=False,
+                                    drop_last=drop_last))
+    want = [int(order[base + i]) for i in local]
+    per = sampler.per_rank(n - base, world, drop_last)
+    assert per == len(want)
+    kw = dict(base=base, world=world, rank=rank, drop_last=drop_last)
+    assert sampler.rank_ids(order, start=0, stop=per + 1, **kw).tolist() == want
+    start, stop = data.draw(windows(per), label="window")
+    assert sampler.rank_ids(order, start=start, stop=stop, **kw).tolist() == want[start:stop]
+
+
+@_examples(100)
+@given(n=st.integers(0, 3000), seed=st.one_of(st.integers(0, 2**33), st.integers(0, U64)))
+def test_randperm_native_and_torch_fallback_equal_torch(n, seed):
+    """The C Fisher-Yates and the fallback without it (torch's own) give torch.randperm's permutation."""
+    import torch
+
+    import feeder._shuffle  # noqa: F401  (the native path must be the one tested first)
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    want = torch.randperm(n, generator=g).numpy()
+    assert np.array_equal(sampler.randperm(n, seed), want)
+    with mock.patch.dict(sys.modules, {"feeder._shuffle": None}):   # "no C compiler at install"
+        assert np.array_equal(sampler.randperm(n, seed), want)
+
+
+# ----------------------------------------------------------------------------- 2. planning
+
+def _spec(**kw) -> StreamSpec:
+    kw.setdefault("job", "props")
+    return StreamSpec(compression="", **kw)
+
+
+@st.composite
+def plan_cases(draw):
+    n = draw(st.integers(1, 240))
+    drop_last = draw(st.booleans())
+    world = draw(st.integers(1, min(8, n) if drop_last else 8))
+    seq_len = draw(st.integers(1, 5))
+    return dict(n=n, n_tokens=n * seq_len + 1 + draw(st.integers(0, seq_len - 1)),
+                spec=dict(world_size=world, seq_len=seq_len, micro_batch=draw(st.integers(1, 12)), seed=draw(seeds),
+                          shuffle=draw(st.booleans()), drop_last=drop_last, epoch=draw(epochs),
+                          num_epochs=draw(st.integers(1, 3))))
+
+
+def _key(b):
+    return b.epoch, b.step, b.ids.tolist(), b.cursor, b.samples_in_epoch
+
+
+@_examples(150)
+@given(case=plan_cases(), picks=st.lists(st.integers(0, 10**6), max_size=6), max_batches=st.integers(1, 9))
+def test_plan_is_distributed_sampler_and_resumes_from_any_batch(case, picks, max_batches):
+    n, sp = case["n"], case["spec"]
+    per_epoch_counts = []
+    for rank in range(sp["world_size"]):
+        spec = _spec(rank=rank, **sp)
+        plan = StreamPlan(spec, n_tokens=case["n_tokens"], fingerprint="f" * 64, cursor=None)
+        assert plan.n == n
+        batches = list(plan.batches())
+        counts = []
+        for epoch in range(spec.epoch, spec.end_epoch):
+            mine = [b for b in batches if b.epoch == epoch]
+            want = reference_ids(n, spec.world_size, rank, shuffle=spec.shuffle, seed=spec.seed,
+                                 drop_last=spec.drop_last, epoch=epoch)
+            assert [i for b in mine for i in b.ids.tolist()] == want, epoch
+            assert [b.step for b in mine] == list(range(len(mine)))
+            # full micro-batches; only an epoch's last may be short
+            assert all(len(b.ids) == spec.micro_batch for b in mine[:-1])
+            assert 0 < len(mine[-1].ids) <= spec.micro_batch
+            counts.append(len(mine))
+        assert [b.epoch for b in batches] == sorted(b.epoch for b in batches)
+        per_epoch_counts.append(counts)
+        # runs of any length are the same batches, cut differently
+        flat = [i for r in plan.runs(max_batches=max_batches) for i in r.ids.tolist()]
+        assert flat == [i for b in batches for i in b.ids.tolist()]
+
+        # resume from the cursor of a batch: every batch when few, else the first, the last, the
+        # last of each epoch (resume lands in the next epoch) and Hypothesis' picks
+        if len(batches) <= 24:
+            at = range(len(batches))
+        else:
+            ends = [i for i, b in enumerate(batches) if i + 1 == len(batches) or batches[i + 1].epoch != b.epoch]
+            at = sorted({0, *ends, *(p % len(batches) for p in picks)})
+        for i in at:
+            c = Cursor.decode(batches[i].cursor.encode(SECRET), SECRET)
+            assert c == batches[i].cursor
+            rest = list(StreamPlan(spec, n_tokens=case["n_tokens"], fingerprint="f" * 64, cursor=c).batches())
+            assert [_key(b) for b in rest] == [_key(b) for b in batches[i + 1:]], i
+    # DDP hangs when ranks see different batch counts: every rank the same, every epoch
+    assert all(c == per_epoch_counts[0] for c in per_epoch_counts)
+
+
+@_examples(20)
+@given(nw=st.integers(2, 64).flatmap(lambda w: st.tuples(st.integers(1, w - 1), st.just(w))))
+def test_plan_refuses_drop_last_when_every_rank_would_get_nothing(nw):
+    n, world = nw
+    with pytest.raises(FailedPrecondition, match="fewer than world_size"):
+        StreamPlan(_spec(rank=0, world_size=world, seq_len=1, micro_batch=1, drop_last=True), n_tokens=n + 1,
+                   fingerprint="f", cursor=None)
+
+
+@pytest.mark.xfail(strict=True, raises=(OverflowError, struct.error),
+                   reason="found while writing these properties, reported, not fixed here: StreamSpec accepts epoch + "
+                          "num_epochs past 2^32 (both uint32 in the proto), the plan reaches epoch 2^32, and "
+                          "the cursor cannot hold it: the stream dies mid-way with INTERNAL instead of being "
+                          "refused up front. Remove this marker with the fix.")
+@_examples(20)
+@given(epoch=st.integers(U32 - 3, U32), num_epochs=st.integers(1, 5))
+@example(epoch=U32, num_epochs=2)   # the minimal case
+def test_regression_accepted_spec_writes_only_encodable_cursors(epoch, num_epochs):
+    """Either the spec is refused as invalid, or every cursor its plan writes can be encoded."""
+    try:
+        spec = _spec(rank=0, world_size=1, seq_len=1, micro_batch=1, epoch=epoch, num_epochs=num_epochs)
+    except InvalidArgument:
+        return
+    plan = StreamPlan(spec, n_tokens=3, fingerprint="f", cursor=None)
+    writer = CursorWriter(plan.cursor_template(), SECRET)
+    for run in plan.runs():
+        writer.many(world=run.world, epoch=run.epoch, base=run.base, stops=run.stops.tolist(), first_step=run.step)
+    for b in plan.batches():
+        b.cursor.encode(SECRET)
+
+
+# ----------------------------------------------------------------------------- 3. cursor
+
+small_text = st.text(max_size=24)   # any unicode but surrogates (which no str.encode accepts)
+
+
+@st.composite
+def cursors(draw, text=small_text):
+    u32, u64 = st.integers(0, U32), st.integers(0, U64)
+    return Cursor(job=draw(text), fingerprint=draw(text), seed=draw(u64), shuffle=draw(st.booleans()),
+                  drop_last=draw(st.booleans()), seq_len=draw(u32), world_size=draw(u32), rank=draw(u32),
+                  epoch=draw(u32), base=draw(u64), pos=draw(u64), step=draw(u64), src=draw(text))
+
+
+secrets_ = st.one_of(st.just(b""), st.binary(min_size=1, max_size=100))   # b"": the dev secret
+
+
+@_examples(60)
+@given(c=cursors(text=st.text(max_size=3000)), secret=secrets_)
+@example(c=Cursor(job="ジョブ-🚀", fingerprint="e" * 65535, seed=U64, shuffle=True, drop_last=True, seq_len=U32,
+                  world_size=U32, rank=U32, epoch=U32, base=U64, pos=U64, step=U64, src="t:0-" + "9" * 5000),
+         secret=b"k" * 65)
+def test_cursor_round_trips(c, secret):
+    assert Cursor.decode(c.encode(secret), secret) == c
+
+
+@_examples(100)
+@given(c=cursors(), secret=secrets_)
+def test_cursor_any_single_bit_flip_or_truncation_is_refused(c, secret):
+    """Every bit of every byte, and every shorter prefix: FailedPrecondition, never another
+    exception (a struct.error or UnicodeDecodeError would be a 500), never a cursor."""
+    blob = c.encode(secret)
+    for i in range(len(blob)):
+        for bit in range(8):
+            bad = blob[:i] + bytes([blob[i] ^ (1 << bit)]) + blob[i + 1:]
+            with pytest.raises(FailedPrecondition):
+                Cursor.decode(bad, secret)
+    for k in range(len(blob)):
+        with pytest.raises(FailedPrecondition):
+            Cursor.decode(blob[:k], secret)
+    with pytest.raises(FailedPrecondition):   # and a byte too many
+        Cursor.decode(blob + b"\0", secret)
+
+
+@st.composite
+def writer_runs(draw):
+    """A stream's successive runs: its world size may change (re-dealt), its epoch and base move."""
+    out = []
+    for _ in range(draw(st.integers(1, 5))):
+        stops = draw(st.lists(st.integers(0, U64 // 2), max_size=8))
+        out.append(dict(world=draw(st.integers(1, U32)), epoch=draw(st.integers(0, U32)),
+                        base=draw(st.integers(0, U64)), stops=stops,
+                        first_step=draw(st.integers(0, U64 // 2))))
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
+@_examples(150)
+@given(template=cursors(), secret=secrets_, runs=writer_runs())
+def test_cursor_writer_many_equals_encode(native, template, secret, runs):
+    if native:
+        assert cursor_mod._native_cursors is not None, "the C extension is built by make env"
+    with mock.patch.object(cursor_mod, "_native_cursors", cursor_mod._native_cursors if native else None):
+        w = CursorWriter(template, secret)
+        for r in runs:
+            got = w.many(**r)
+            want = [dataclasses.replace(template, world_size=r["world"], epoch=r["epoch"], base=r["base"], pos=pos,
+                                        step=r["first_step"] + j + 1).encode(secret)
+                    for j, pos in enumerate(r["stops"])]
+            assert got == want
+
+
+# ----------------------------------------------------------------------------- 4. elastic re-dealing
+
+@st.composite
+def elastic_cases(draw):
+    n = draw(st.integers(1, 400))
+    drop_last = draw(st.booleans())
+    worlds = st.integers(1, min(32, n) if drop_last else 32)   # drop_last with n < world: refused (above)
+    changes = draw(st.lists(st.tuples(st.integers(0, 10**6), worlds), max_size=4))
+    return dict(n=n, drop_last=drop_last, world=draw(worlds), changes=changes, mb=draw(st.integers(1, 6)),
+                seed=draw(seeds), epoch=draw(epochs), shuffle=draw(st.booleans()),
+                # which old rank's cursor new rank r resumes from: (r * a + b) % old world
+                pick=(draw(st.integers(1, 97)), draw(st.integers(0, 97))))
+
+
+def _simulate(case, pick):
+    """All ranks of a job run in lockstep; at each change every rank stops after the same number of
+    batches and the job restarts with another world size, each new rank resuming (reshard) from the
+    cursor of some old rank, as a restarted trainer hands them out. Returns the batches delivered per
+    segment as [(world, per-rank [(step, ids)]), ...], the segments' (base, world) dealings, and
+    whether every restart came strictly inside the epoch."""
+    n, mb = case["n"], case["mb"]
+    segments, dealings, cursors_ = [], [], None
+    inside = True   # every restart strictly inside the epoch (not after its last batch)
+    worlds = [case["world"]] + [w for _, w in case["changes"]]
+    stops = [k for k, _ in case["changes"]] + [None]   # None: the last segment runs to the epoch's end
+    delivered_steps = 0
+    for world, k in zip(worlds, stops):
+        per_rank = []
+        for rank in range(world):
+            spec = _spec(rank=rank, world_size=world, seq_len=1, micro_batch=mb, seed=case["seed"],
+                         shuffle=case["shuffle"], drop_last=case["drop_last"], epoch=case["epoch"], num_epochs=2,
+                         reshard=True)
+            c = None
+            if cursors_ is not None:
+                a, b = pick
+                c = Cursor.decode(cursors_[(rank * a + b) % len(cursors_)].encode(SECRET), SECRET)
+            plan = StreamPlan(spec, n_tokens=n + 1, fingerprint="fp", cursor=c)
+            bs = list(plan.batches())
+            this = [b for b in bs if b.epoch == case["epoch"]]
+            per_rank.append((plan.start, this))
+            if k is None:
+                # the epoch after a re-dealt one is DistributedSampler's again, over the new world size
+                after = [b for b in bs if b.epoch != case["epoch"]]
+                assert [b.step for b in after] == list(range(len(after)))
+                assert [i for b in after for i in b.ids.tolist()] == reference_ids(
+                    n, world, rank, shuffle=case["shuffle"], seed=case["seed"], drop_last=case["drop_last"],
+                    epoch=case["epoch"] + 1)
+        left = [len(bs) for _, bs in per_rank]
+        assert len(set(left)) == 1, f"ranks of world {world} would get {left} batches: DDP hangs"
+        start = per_rank[0][0]
+        dealings.append((start.base, start.world))
+        if k is not None:
+            # 0: restarted before a batch arrived; left[0]: right after the epoch's last batch
+            k = k % (left[0] + 1)
+            inside = inside and k < left[0]
+        took = [bs if k is None else bs[:k] for _, bs in per_rank]
+        for bs in took:   # steps run on across restarts: a rank's steps in the epoch are 0, 1, 2, ...
+            assert [b.step for b in bs] == list(range(delivered_steps, delivered_steps + len(bs)))
+        delivered_steps += len(took[0])
+        segments.append((world, [[(b.step, b.ids.tolist()) for b in bs] for bs in took]))
+        if took[0]:
+            cursors_ = [bs[-1].cursor for bs in took]
+        # k == 0: nobody moved; the next world resumes from the same cursors as this one did
+    return segments, dealings, inside
+
+
+@_examples(300)
+@given(case=elastic_cases())
+def test_elastic_redealing_delivers_each_id_once_up_to_padding(case):
+    n, drop_last = case["n"], case["drop_last"]
+    segments, dealings, inside = _simulate(case, case["pick"])
+    got = Counter(i for _, ranks in segments for bs in ranks for _, ids in bs for i in ids)
+    assert set(got) <= set(range(n))
+    # DistributedSampler's own slack per dealing (padding for drop_last=False, the dropped tail for True)
+    slack = [abs(w * sampler.per_rank(n - base, w, drop_last) - (n - base)) for base, w in dealings]
+    repeats = sum(c - 1 for c in got.values())
+    missing = n - len(got)
+    if drop_last:
+        assert repeats == 0, f"{repeats} ids delivered twice: {[i for i, c in got.items() if c > 1][:10]}"
+        assert missing <= sum(slack), f"{missing} ids never delivered, slack {slack}"
+        if inside:   # tighter: only the last dealing runs to its end, so only its tail is dropped
+            assert missing == slack[-1]
+    else:
+        assert missing == 0, f"never delivered: {sorted(set(range(n)) - set(got))[:10]}"
+        assert repeats <= sum(slack), f"{repeats} repeats, slack {slack}"
+        if inside:   # only the last dealing reaches its padding
+            assert repeats == slack[-1]
+    # deterministic: the same run again, and with new ranks handed other old ranks' cursors
+    assert _simulate(case, case["pick"]) == (segments, dealings, inside)
+    assert _simulate(case, (1, 0)) == (segments, dealings, inside)

@@ -73,7 +73,22 @@ class BadRecord(Exception):
 
 
 def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int) -> np.ndarray:
-    """Token ids of one record, or BadRecord saying what is wrong with it."""
+    """Token ids of one record, or BadRecord saying what is wrong with it.
+
+    Total on any bytes: a record is written by whoever can produce to the topic, so whatever
+    a parser raises on hostile input (json's RecursionError on deep nesting, ValueError on a
+    5,000-digit integer, struct.error, ...) is the record's fault and becomes BadRecord
+    ("undecodable"), never an exception that ends the stream as INTERNAL/UNKNOWN (which
+    clients retry for minutes). The kinds we can name are named first."""
+    try:
+        return _decode(value, dtype=dtype, vocab_size=vocab_size, max_bytes=max_bytes)
+    except BadRecord:
+        raise
+    except (ValueError, ArithmeticError, TypeError, LookupError, RecursionError, struct.error) as e:
+        raise BadRecord("undecodable", f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _decode(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int) -> np.ndarray:
     if not value:  # a tombstone or a producer bug; an empty *document* still has a header or {"tokens": []}
         raise BadRecord("empty", "the record has no value (null or 0 bytes)")
     if len(value) > max_bytes:
@@ -82,6 +97,11 @@ def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_
         if len(value) < _HEADER.size:
             raise BadRecord("undecodable", f"{len(value)} bytes is shorter than the {_HEADER.size}-byte header")
         _, itemsize, name_len, _vocab, _eos = _HEADER.unpack_from(value)
+        if _HEADER.size + name_len > len(value):
+            # Slicing past the end gives an empty payload, i.e. an empty document: the bytes
+            # would be served as something they do not say.
+            raise BadRecord("undecodable", f"the header's tokenizer name of {name_len} bytes runs past the end of "
+                                           f"the {len(value)}-byte record")
         if itemsize != dtype.itemsize:
             raise BadRecord("wrong_dtype", f"the record holds {itemsize}-byte ids, this topic's vocab "
                                            f"({vocab_size}) uses {dtype.itemsize}-byte ids ({dtype.name})")
@@ -98,9 +118,15 @@ def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_
         toks = obj.get("tokens") if isinstance(obj, dict) else None
         if not isinstance(toks, list):
             raise BadRecord("undecodable", "a JSON record must be an object with a 'tokens' list")
-        if not all(type(t) is int for t in toks):
+        if not all(type(t) is int for t in toks):   # bool is an int subclass, and not a token id
             bad = next(t for t in toks if type(t) is not int)
-            raise BadRecord("wrong_dtype", f"'tokens' must hold integers, found {bad!r}")
+            raise BadRecord("wrong_dtype", f"'tokens' must hold integers, found {str(bad)[:40]!r}")
+        if toks:
+            # Checked on Python ints, before numpy: an id beyond int64 would raise OverflowError there.
+            lo, hi = min(toks), max(toks)
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise BadRecord("out_of_vocab", f"token ids must be in [0, {vocab_size}), found {str(bad)[:40]}")
         ids = np.asarray(toks, dtype=np.int64)
     else:
         raise BadRecord("undecodable", f"neither a feeder record ({MAGIC!r} header) nor JSON "
@@ -338,13 +364,23 @@ class KafkaSource:
         docs = tokens = 0
         c = Consumer(consumer_config(self.url.bootstrap))
         try:
+            # The topic and each partition must still exist before we wait on them: a deleted
+            # topic is NOT_FOUND at once (as in follow mode), not UNAVAILABLE retried for minutes.
+            present = set(partitions(c, topic, self.url.bootstrap))
             for p, lo, hi in spans:
                 if hi <= lo:
                     continue
-                low_now, _ = watermarks(c, topic, p, self.url.bootstrap)
+                if p not in present:
+                    raise DataLoss(f"Kafka {topic}/{p}: the partition is gone (the topic has partitions "
+                                   f"{sorted(present)}), so the epoch {ranges} cannot be read again")
+                low_now, high_now = watermarks(c, topic, p, self.url.bootstrap)
                 if low_now > lo:
                     raise DataLoss(f"Kafka {topic}/{p}: records from offset {lo} are gone (retention); the "
                                    f"partition now starts at {low_now}, so the epoch {ranges} cannot be read again")
+                if high_now < hi:
+                    # Offsets never go back: the topic was deleted and created again (or truncated).
+                    raise DataLoss(f"Kafka {topic}/{p}: the epoch {ranges} needs offsets up to {hi}, the partition "
+                                   f"now ends at {high_now} (deleted and created again?), so it cannot be read again")
                 c.assign([TopicPartition(topic, p, lo)])
                 pending: list[np.ndarray] = []
                 pos, idle_since = lo, time.monotonic()

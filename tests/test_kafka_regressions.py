@@ -167,3 +167,230 @@ def test_regression_bounded_resume_of_a_deleted_topic_is_not_found_then_data_los
     err, took = resume("c")
     assert err.code == Code.DATA_LOSS and f"{topic}/0" in str(err) and "cannot be read again" in str(err), err
     assert took < 15, took
+
+
+# --------------------------------------------------------------------------- one epoch per job (bounded)
+
+EPOCH_SEQ, EPOCH_MB, EPOCH_SEED = 16, 4, 3
+
+
+class Trickle:
+    """A producer writing byte-token records round-robin over the partitions, `n0` at once and
+    then one every few milliseconds until stopped: the topic grows while ranks open."""
+
+    def __init__(self, bootstrap: str, topic: str, *, partitions: int = 3, n0: int = 90):
+        import threading
+
+        from confluent_kafka import Producer
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(30)
+        self.topic, self.partitions, self.k = topic, partitions, 0
+        self.p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 0})
+        for _ in range(n0):
+            self.one()
+        assert self.p.flush(30) == 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def one(self) -> None:
+        rng = np.random.default_rng(self.k)
+        self.p.produce(self.topic, rec(rng.integers(0, 256, size=int(rng.integers(0, 60)))),
+                       partition=self.k % self.partitions)
+        self.k += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.one()
+            self.p.poll(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert self.p.flush(30) == 0
+
+
+def epoch_of(batch) -> str:
+    """The offset ranges a batch's cursor carries (the epoch the feeder served it from)."""
+    from feeder.cursor import DEV_SECRET, Cursor
+
+    return Cursor.decode(batch.cursor, DEV_SECRET).src
+
+
+def epoch_stream(bootstrap: str, ranges: str) -> np.ndarray:
+    """The packed stream of an epoch, read here without the feeder: records of each
+    partition's [lo, hi) in (partition, offset) order, an EOS (256) after each."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from feeder.sources.kafka import parse_ranges
+
+    topic, spans = parse_ranges(ranges)
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "t", "enable.auto.commit": False})
+    out: list[int] = []
+    for p, lo, hi in spans:
+        c.assign([TopicPartition(topic, p, lo)])
+        got = 0
+        while got < hi - lo:
+            for m in c.consume(hi - lo - got, timeout=5):   # returns once that many have come
+                if m.error() is None and lo <= m.offset() < hi:
+                    out.extend(int(x) for x in decode_record(m.value(), dtype=np.dtype("uint16"), vocab_size=257,
+                                                             max_bytes=1 << 20))
+                    out.append(256)
+                    got += 1
+    c.close()
+    return np.asarray(out)
+
+
+def check_one_epoch(bootstrap: str, by_rank: dict[int, list], world: int) -> str:
+    """Every batch of every rank comes from one epoch, and the ranks' ids are exactly
+    DistributedSampler's over it (their union is every sample, nothing twice beyond padding)."""
+    epochs = {r: {epoch_of(b) for b in bs} for r, bs in by_rank.items()}
+    assert all(len(e) == 1 for e in epochs.values()), epochs
+    union = set.union(*epochs.values())
+    assert len(union) == 1, f"the ranks read different epochs: {epochs}"
+    (ranges,) = union
+    stream = epoch_stream(bootstrap, ranges)
+    n = n_samples(len(stream), EPOCH_SEQ)
+    for r, bs in by_rank.items():
+        from tests.helpers import check_batches, reference_ids
+
+        check_batches(bs, stream, EPOCH_SEQ, reference_ids(n, world, r, shuffle=True, seed=EPOCH_SEED,
+                                                           drop_last=False, epoch=0))
+    every = [i for bs in by_rank.values() for i in ids_of(bs)]
+    assert set(every) == set(range(n)) and len(every) - n == (-n) % world
+    return ranges
+
+
+def open_rank(targets, job, rank, world=2, **kw):
+    ds = FeederDataset(targets, job=job, rank=rank, world_size=world, seq_len=EPOCH_SEQ, micro_batch=EPOCH_MB,
+                       seed=EPOCH_SEED, read_ahead=1, retry_for_s=30, **kw)
+    it = iter(ds)
+    return ds, it, [next(it)]
+
+
+def kafka_url(bootstrap, topic, spool, extra=""):
+    return f"kafka://{bootstrap}/{topic}?vocab_size=257&eos_id=256&spool={spool}{extra}"
+
+
+def test_regression_ranks_on_two_feeder_processes_read_one_epoch(kafka_broker, tmp_path):
+    """Rank 0 on feeder A, rank 1 on feeder B a second later, while a producer writes: before,
+    each process froze its own epoch and ~500 ids went to both ranks."""
+    from tests.helpers import FeederProc
+
+    topic = topic_name("one-epoch")
+    trickle = Trickle(kafka_broker, topic)
+    a = FeederProc(None, source=kafka_url(kafka_broker, topic, tmp_path / "a"))
+    b = FeederProc(None, source=kafka_url(kafka_broker, topic, tmp_path / "b"))
+    try:
+        ds0, it0, got0 = open_rank([a.address], "two-feeders", 0)
+        time.sleep(1.0)
+        ds1, it1, got1 = open_rank([b.address], "two-feeders", 1)
+        trickle.stop()
+        got0 += list(it0)
+        got1 += list(it1)
+        ds0.client.close()
+        ds1.client.close()
+    finally:
+        trickle.stop()
+        a.stop()
+        b.stop()
+    ranges = check_one_epoch(kafka_broker, {0: got0, 1: got1}, 2)
+    assert trickle.k > 90 and ranges != f"kafka:{topic}:0=0-{trickle.k // 3 + 1}"   # not simply the whole topic
+
+
+def test_regression_ranks_on_serve_processes_2_read_one_epoch(kafka_broker, tmp_path):
+    """`feeder serve --processes 2`: rank 1's stream is opened again until the kernel hands it
+    to the other process than rank 0's (the log says which); both read one epoch."""
+    import re
+
+    from tests.test_processes import Supervised
+
+    topic = topic_name("one-epoch-procs")
+    trickle = Trickle(kafka_broker, topic)
+    sup = Supervised(kafka_url(kafka_broker, topic, tmp_path / "spool"), tmp_path / "feeder.log")
+    job = "two-processes"
+
+    def served_by(rank):
+        opened = re.findall(rf"\[process (\d)\] feeder\.engine: stream opened job={job} rank={rank}/2",
+                            open(sup.log.name).read())
+        return opened[-1] if opened else None
+
+    try:
+        ds0, it0, got0 = open_rank([sup.address], job, 0)
+        p0 = served_by(0)
+        assert p0 is not None
+        for _ in range(40):
+            time.sleep(0.2)
+            ds1, it1, got1 = open_rank([sup.address], job, 1)
+            if served_by(1) != p0:
+                break
+            ds1.client.close()
+        assert served_by(1) != p0, "the kernel never handed rank 1 to the other process"
+        trickle.stop()
+        got0 += list(it0)
+        got1 += list(it1)
+        ds0.client.close()
+        ds1.client.close()
+    finally:
+        trickle.stop()
+        sup.stop()
+    check_one_epoch(kafka_broker, {0: got0, 1: got1}, 2)
+
+
+def test_regression_rank_failing_over_before_its_first_batch_reads_the_jobs_epoch(kafka_broker, tmp_path):
+    """Rank 1's first feeder is down, so it fails over to its second with no cursor (before its
+    first batch), after more records arrived: it must still read the epoch rank 0 read on the
+    first. Before, the second feeder froze its own, later epoch."""
+    from tests.helpers import FeederProc
+
+    topic = topic_name("one-epoch-failover")
+    trickle = Trickle(kafka_broker, topic)
+    a = FeederProc(None, source=kafka_url(kafka_broker, topic, tmp_path / "a"))
+    b = FeederProc(None, source=kafka_url(kafka_broker, topic, tmp_path / "b"))
+    try:
+        ds0, it0, got0 = open_rank([a.address, b.address], "failover", 0)
+        got0 += list(it0)
+        ds0.client.close()
+        time.sleep(0.5)
+        a.stop()
+        ds1, it1, got1 = open_rank([a.address, b.address], "failover", 1, prefer="order")   # A first
+        trickle.stop()
+        got1 += list(it1)
+        assert ds1.client.failovers >= 1
+        ds1.client.close()
+    finally:
+        trickle.stop()
+        a.stop()
+        b.stop()
+    check_one_epoch(kafka_broker, {0: got0, 1: got1}, 2)
+
+
+def test_regression_job_name_reused_after_the_job_was_forgotten_gets_a_new_epoch(kafka_broker, tmp_path):
+    """epoch_ttl_s=4: a run of the job right after the last one ended still reads its epoch (the
+    entry is live); once no stream of it was open for the TTL, the name starts a new epoch with
+    what the topic holds now. Before, the first epoch was kept for the process's lifetime."""
+    topic = topic_name("reuse")
+    trickle = Trickle(kafka_broker, topic, n0=60)
+    trickle.stop()
+    url = kafka_url(kafka_broker, topic, tmp_path / "spool", "&epoch_ttl_s=4")
+    with ServerThread(ServeConfig(source=url, listen="127.0.0.1:0")) as srv:
+        def run():
+            ds, it, got = open_rank([srv.address], "reuse", 0, world=1)
+            got += list(it)
+            ds.client.close()
+            return got
+
+        first = run()
+        for _ in range(30):
+            trickle.one()
+        assert trickle.p.flush(30) == 0
+        again = run()                              # within the TTL: the same run (e.g. a restart)
+        time.sleep(5)                              # no stream of the job for longer than the TTL
+        later = run()
+    r1 = check_one_epoch(kafka_broker, {0: first}, 1)
+    assert check_one_epoch(kafka_broker, {0: again}, 1) == r1
+    r2 = check_one_epoch(kafka_broker, {0: later}, 1)
+    assert r1 == f"kafka:{topic}:0=0-20,1=0-20,2=0-20"
+    assert r2 == f"kafka:{topic}:0=0-30,1=0-30,2=0-30"

@@ -394,3 +394,54 @@ def test_regression_job_name_reused_after_the_job_was_forgotten_gets_a_new_epoch
     r2 = check_one_epoch(kafka_broker, {0: later}, 1)
     assert r1 == f"kafka:{topic}:0=0-20,1=0-20,2=0-20"
     assert r2 == f"kafka:{topic}:0=0-30,1=0-30,2=0-30"
+
+
+class _Rec:
+    """A register record as confluent_kafka hands it over (value, broker timestamp, offset)."""
+
+    def __init__(self, offset, at_ms, value):
+        self._o, self._t, self._v = offset, at_ms, value
+
+    def value(self):
+        return self._v if isinstance(self._v, bytes) else json.dumps(self._v).encode()
+
+    def timestamp(self):
+        return 2, self._t
+
+    def offset(self):
+        return self._o
+
+
+def test_epoch_register_first_record_after_a_gap_wins_and_later_ones_only_refresh():
+    """The rule every feeder applies to the register in log order (module doc of kafka.py)."""
+    from feeder.sources.kafka import EpochRegister
+
+    reg = EpochRegister("unused:9092", "t", ttl_s=10)
+    A, B, C = "kafka:t:0=0-5", "kafka:t:0=0-9", "kafka:t:0=0-12"
+    log = [
+        {"topic": "t", "job": "j", "ranges": A, "ttl_ms": 10_000},       # establishes A
+        {"topic": "t", "job": "j", "ranges": B, "ttl_ms": 10_000},       # a racing proposal: refresh only
+        {"topic": "other", "job": "j", "ranges": "kafka:other:0=0-1", "ttl_ms": 10_000},   # another topic's
+        b"not json",                                                      # junk: skipped by everyone
+        {"topic": "t", "job": "j", "ranges": "kafka:u:0=0-1", "ttl_ms": 10_000},           # wrong topic inside
+        {"topic": "t", "job": "j", "ranges": B, "ttl_ms": 10_000},       # refresh at 9 s
+        {"topic": "t", "job": "j", "ranges": C, "ttl_ms": 10_000},       # 10.0 s after: still A's (not > ttl)
+        {"topic": "t", "job": "j", "ranges": C, "ttl_ms": 10_000},       # 10.001 s after the last: C establishes
+    ]
+    times = [0, 5, 6, 7, 8, 9_000, 19_000, 29_001]
+    seen = []
+    for i, (v, at) in enumerate(zip(log, times)):
+        reg._apply(_Rec(i, at, v))
+        seen.append(reg._entries["j"].ranges)
+    assert seen == [A, A, A, A, A, A, A, C]
+
+
+def test_epoch_ttl_option_must_be_a_positive_number():
+    from feeder.errors import InvalidArgument
+    from feeder.sources.kafka import KafkaURL
+
+    assert KafkaURL.parse("kafka://h:1/t?epoch_ttl_s=2.5").epoch_ttl_s == 2.5
+    assert KafkaURL.parse("kafka://h:1/t").epoch_ttl_s == 24 * 3600
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(InvalidArgument, match="epoch_ttl_s must be"):
+            KafkaURL.parse(f"kafka://h:1/t?epoch_ttl_s={bad}")

@@ -31,7 +31,8 @@ bounded (default): an epoch is the set of records present when the job starts, f
     after the job's last stream anywhere closed, and a later run of the same name then gets a
     new epoch. `ttl` is the URL option epoch_ttl_s, by default the feeder's job idle TTL (24 h);
     it must exceed the longest time between the first and the last rank's first stream of a
-    job. A stream with a cursor, or with a Kafka `expected_fingerprint`, reads those ranges and
+    job. The register must keep its records (no retention limit, as created here): a reader
+    that started after records were deleted could take a later record as establishing. A stream with a cursor, or with a Kafka `expected_fingerprint`, reads those ranges and
     does not ask the register (it refreshes the job's entry, or re-establishes it after a long
     pause, with its ranges).
 follow: the topic is tailed without end. Records are interleaved round-robin over the
@@ -558,7 +559,8 @@ class EpochRegister:
         self._agreed: dict[str, tuple[str, float]] = {}   # job -> (ranges, monotonic time before our record)
         self._live: dict[str, weakref.WeakSet] = {}      # job -> open plans here (collected when dropped)
         self._live_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._connect_lock = threading.Lock()
+        self._stop, self._kick = threading.Event(), threading.Event()
         self._renewer: threading.Thread | None = None
 
     # -- agreement
@@ -610,6 +612,8 @@ class EpochRegister:
         except (ValueError, TypeError, KeyError, AttributeError, FailedPrecondition):
             log.warning("%s@%d: not an epoch register record; skipped", self.register, m.offset())
             return
+        # The broker's append time where the register was created here (LogAppendTime); in a
+        # register created otherwise, the producers' clocks: still the same for every reader.
         at = m.timestamp()[1]
         e = self._entries.get(job)
         if e is None or at - e.last_ms > e.ttl_ms:
@@ -628,7 +632,7 @@ class EpochRegister:
                 self._renewer = threading.Thread(target=self._renew, daemon=True, name="kafka-epochs")
                 self._renewer.start()
         if first:   # e.g. a job resumed from cursors after a long pause: its entry again, at once
-            self._refresh(job, plan.src)
+            self._kick.set()   # by the renewer: a stream open never waits on the register for this
 
     def release(self, job: str, plan) -> None:
         with self._live_lock:
@@ -638,7 +642,11 @@ class EpochRegister:
 
     def _renew(self) -> None:
         every = max(0.25, self.ttl_ms / 4000)
-        while not self._stop.wait(every):
+        while True:
+            self._kick.wait(every)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             with self._live_lock:
                 running = {job: next(iter(live)).src for job, live in self._live.items() if len(live)}
                 for job in [j for j, live in self._live.items() if not len(live)]:
@@ -657,7 +665,7 @@ class EpochRegister:
     def _connect(self) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-        with self._live_lock:
+        with self._connect_lock:
             if self._producer is not None:
                 return
             self._create_topic()
@@ -712,7 +720,9 @@ class EpochRegister:
             if time.monotonic() > deadline:
                 raise Unavailable(f"reading the epoch register {self.register} at {self.bootstrap} up to offset "
                                   f"{offset} made no progress for 30s (at {self._next})")
-            for m in self._consumer.consume(1000, timeout=0.5):
+            # At most what is missing: consume() returns once it has that many (or at the end
+            # of the partition), instead of waiting out its timeout on every agreement.
+            for m in self._consumer.consume(max(1, min(1000, offset + 1 - self._next)), timeout=0.5):
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
@@ -721,9 +731,11 @@ class EpochRegister:
                 if m.offset() >= self._next:
                     self._apply(m)
                     self._next = m.offset() + 1
+                    deadline = time.monotonic() + 30
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         if self._consumer is not None:
             _close(self._consumer)
         if self._producer is not None:   # refreshes in flight; never wait long on shutdown

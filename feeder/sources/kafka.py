@@ -562,6 +562,7 @@ class EpochRegister:
         self._connect_lock = threading.Lock()
         self._stop, self._kick = threading.Event(), threading.Event()
         self._renewer: threading.Thread | None = None
+        self._warned = False
 
     # -- agreement
     def epoch(self, job: str, propose) -> str:
@@ -613,8 +614,13 @@ class EpochRegister:
             log.warning("%s@%d: not an epoch register record; skipped", self.register, m.offset())
             return
         # The broker's append time where the register was created here (LogAppendTime); in a
-        # register created otherwise, the producers' clocks: still the same for every reader.
-        at = m.timestamp()[1]
+        # register created otherwise, the producers' clocks: still the same for every reader,
+        # but a feeder's clock far ahead could end an entry early, so say so once.
+        kind, at = m.timestamp()
+        if kind != 2 and not self._warned:   # 2: TIMESTAMP_LOG_APPEND_TIME
+            self._warned = True
+            log.warning("%s does not use LogAppendTime: epoch TTLs follow the feeders' clocks; create it with "
+                        "message.timestamp.type=LogAppendTime", self.register)
         e = self._entries.get(job)
         if e is None or at - e.last_ms > e.ttl_ms:
             self._entries[job] = _Entry(ranges, ttl_ms, at)

@@ -1,7 +1,7 @@
 """Kafka partitions as a token source: the only module that imports confluent_kafka.
 
 URL: kafka://HOST:PORT[,HOST:PORT...]/TOPIC[?mode=bounded|follow&bad_records=fail|skip
-     &vocab_size=N&eos_id=N&max_record_bytes=N&spool=DIR&group=NAME]
+     &vocab_size=N&eos_id=N&max_record_bytes=N&spool=DIR&group=NAME&epoch_ttl_s=SECONDS]
 
 Record value: `encode_record` (a header naming dtype, vocab and tokenizer, then the token
 ids little-endian), or JSON {"tokens": [...]} as existing producers write it. A document's
@@ -12,6 +12,29 @@ bounded (default): an epoch is the set of records present when the job starts, f
     (Arrow shards in a spool directory, ordered by (partition, offset)) and serves it exactly
     as a file dataset: same packing, same DistributedSampler, same cursors. The ranges travel
     in every cursor, so any feeder rebuilds the same snapshot on resume.
+
+    Which ranges a job's stream *without* a cursor gets is agreed in Kafka itself, so that the
+    ranks of one job read one epoch whichever feeder, process (`serve --processes N`) or region
+    (sharing the cluster) each lands on, and after a failover before the first batch: the epoch
+    register, a single-partition topic `__feeder_epochs` (created if missing, LogAppendTime,
+    no retention limit). Every record is (topic, job, ranges, ttl); read in log order, a record
+    for a job with no live entry *establishes* the entry with its ranges, and any other record
+    for it only *refreshes* the entry (its ranges are ignored). An entry is live until `ttl`
+    (of its establishing record) has passed, by the broker's append timestamps, since its
+    latest record. Log order and broker timestamps are the same for every reader, so every
+    feeder derives the same entry: the first writer after a gap wins. A feeder that needs the
+    epoch appends its proposal (its current high watermarks; acks=all, idempotent), reads the
+    register up to its own record and takes the entry it finds there; it then knows the entry
+    stays live for `ttl` and serves further ranks of the job from memory for `ttl`/2.
+    Run identity (reusing a job name): while a stream of the job is open on any feeder, that
+    feeder refreshes the entry every `ttl`/4; so the entry expires between 3/4·ttl and ttl
+    after the job's last stream anywhere closed, and a later run of the same name then gets a
+    new epoch. `ttl` is the URL option epoch_ttl_s, by default the feeder's job idle TTL (24 h);
+    it must exceed the longest time between the first and the last rank's first stream of a
+    job. The register must keep its records (no retention limit, as created here): a reader
+    that started after records were deleted could take a later record as establishing. A stream with a cursor, or with a Kafka `expected_fingerprint`, reads those ranges and
+    does not ask the register (it refreshes the job's entry, or re-establishes it after a long
+    pause, with its ranges).
 follow: the topic is tailed without end. Records are interleaved round-robin over the
     partitions (record k is the next one of partition k mod P), record k goes to rank k mod W,
     and each rank packs its records into samples. The cursor holds the offsets, so a restart
@@ -32,6 +55,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +79,8 @@ _HEADER = struct.Struct("<4sBBII")   # magic, dtype itemsize, tokenizer-name len
 MODES = ("bounded", "follow")
 POLICIES = ("fail", "skip")
 BAD_KINDS = ("undecodable", "wrong_dtype", "out_of_vocab", "empty", "too_large")
+EPOCHS_TOPIC = "__feeder_epochs"
+EPOCH_TTL_S = 24 * 3600.0   # the engine's job idle TTL (pipeline.stream.Jobs): a forgotten job's name is free
 
 
 # --------------------------------------------------------------------------- records
@@ -73,7 +99,22 @@ class BadRecord(Exception):
 
 
 def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int) -> np.ndarray:
-    """Token ids of one record, or BadRecord saying what is wrong with it."""
+    """Token ids of one record, or BadRecord saying what is wrong with it.
+
+    Total on any bytes: a record is written by whoever can produce to the topic, so whatever
+    a parser raises on hostile input (json's RecursionError on deep nesting, ValueError on a
+    5,000-digit integer, struct.error, ...) is the record's fault and becomes BadRecord
+    ("undecodable"), never an exception that ends the stream as INTERNAL/UNKNOWN (which
+    clients retry for minutes). The kinds we can name are named first."""
+    try:
+        return _decode(value, dtype=dtype, vocab_size=vocab_size, max_bytes=max_bytes)
+    except BadRecord:
+        raise
+    except (ValueError, ArithmeticError, TypeError, LookupError, RecursionError, struct.error) as e:
+        raise BadRecord("undecodable", f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _decode(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int) -> np.ndarray:
     if not value:  # a tombstone or a producer bug; an empty *document* still has a header or {"tokens": []}
         raise BadRecord("empty", "the record has no value (null or 0 bytes)")
     if len(value) > max_bytes:
@@ -82,6 +123,11 @@ def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_
         if len(value) < _HEADER.size:
             raise BadRecord("undecodable", f"{len(value)} bytes is shorter than the {_HEADER.size}-byte header")
         _, itemsize, name_len, _vocab, _eos = _HEADER.unpack_from(value)
+        if _HEADER.size + name_len > len(value):
+            # Slicing past the end gives an empty payload, i.e. an empty document: the bytes
+            # would be served as something they do not say.
+            raise BadRecord("undecodable", f"the header's tokenizer name of {name_len} bytes runs past the end of "
+                                           f"the {len(value)}-byte record")
         if itemsize != dtype.itemsize:
             raise BadRecord("wrong_dtype", f"the record holds {itemsize}-byte ids, this topic's vocab "
                                            f"({vocab_size}) uses {dtype.itemsize}-byte ids ({dtype.name})")
@@ -98,9 +144,15 @@ def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_
         toks = obj.get("tokens") if isinstance(obj, dict) else None
         if not isinstance(toks, list):
             raise BadRecord("undecodable", "a JSON record must be an object with a 'tokens' list")
-        if not all(type(t) is int for t in toks):
+        if not all(type(t) is int for t in toks):   # bool is an int subclass, and not a token id
             bad = next(t for t in toks if type(t) is not int)
-            raise BadRecord("wrong_dtype", f"'tokens' must hold integers, found {bad!r}")
+            raise BadRecord("wrong_dtype", f"'tokens' must hold integers, found {str(bad)[:40]!r}")
+        if toks:
+            # Checked on Python ints, before numpy: an id beyond int64 would raise OverflowError there.
+            lo, hi = min(toks), max(toks)
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise BadRecord("out_of_vocab", f"token ids must be in [0, {vocab_size}), found {str(bad)[:40]}")
         ids = np.asarray(toks, dtype=np.int64)
     else:
         raise BadRecord("undecodable", f"neither a feeder record ({MAGIC!r} header) nor JSON "
@@ -126,6 +178,7 @@ class KafkaURL:
     max_record_bytes: int = 16 << 20
     spool: str = ""
     group: str = ""
+    epoch_ttl_s: float = EPOCH_TTL_S
 
     @classmethod
     def parse(cls, url: str, *, vocab_size: int = 0, eos_id: int = -1) -> "KafkaURL":
@@ -134,7 +187,8 @@ class KafkaURL:
         if u.scheme != "kafka" or not u.netloc or not topic or "/" in topic:
             raise InvalidArgument(f"a Kafka source is kafka://HOST:PORT[,HOST:PORT]/TOPIC[?options], got {url!r}")
         q = {k: v[-1] for k, v in parse_qs(u.query, keep_blank_values=True).items()}
-        known = {"mode", "bad_records", "vocab_size", "eos_id", "max_record_bytes", "spool", "group"}
+        known = {"mode", "bad_records", "vocab_size", "eos_id", "max_record_bytes", "spool", "group",
+                 "epoch_ttl_s"}
         unknown = sorted(set(q) - known)
         if unknown:
             raise InvalidArgument(f"unknown Kafka URL option(s) {unknown}; known: {sorted(known)}")
@@ -145,16 +199,25 @@ class KafkaURL:
             except ValueError:
                 raise InvalidArgument(f"Kafka URL option {name} must be an integer, got {q[name]!r}") from None
 
+        def number(name, default):
+            try:
+                return float(q.get(name, default))
+            except ValueError:
+                raise InvalidArgument(f"Kafka URL option {name} must be a number, got {q[name]!r}") from None
+
         cfg = cls(bootstrap=u.netloc, topic=topic, mode=q.get("mode", "bounded"),
                   bad_records=q.get("bad_records", "fail"), vocab_size=integer("vocab_size", vocab_size),
                   eos_id=integer("eos_id", eos_id), max_record_bytes=integer("max_record_bytes", 16 << 20),
-                  spool=q.get("spool", ""), group=q.get("group", ""))
+                  spool=q.get("spool", ""), group=q.get("group", ""), epoch_ttl_s=number("epoch_ttl_s", EPOCH_TTL_S))
         if cfg.mode not in MODES:
             raise InvalidArgument(f"Kafka URL option mode must be bounded or follow, got {cfg.mode!r}")
         if cfg.bad_records not in POLICIES:
             raise InvalidArgument(f"Kafka URL option bad_records must be fail or skip, got {cfg.bad_records!r}")
         if cfg.max_record_bytes <= 0:
             raise InvalidArgument(f"max_record_bytes must be positive, got {cfg.max_record_bytes}")
+        if not 0 < cfg.epoch_ttl_s < float("inf"):
+            raise InvalidArgument(f"Kafka URL option epoch_ttl_s must be a positive number of seconds, "
+                                  f"got {cfg.epoch_ttl_s}")
         return cfg
 
 
@@ -227,7 +290,7 @@ class KafkaSource:
                                   f"got {self.eos_id}")
         self.dtype = np.dtype(mf.dtype_for_vocab(self.vocab_size))
         self.n_tokens = self.n_documents = 0   # unknown until a job freezes its epoch
-        self._frozen: dict[str, str] = {}      # job -> offset ranges (bounded)
+        self._register = EpochRegister(url.bootstrap, url.topic, ttl_s=url.epoch_ttl_s)
         self._snapshots: dict[str, object] = {}
         self._building: dict[str, threading.Lock] = {}
         self._taken: dict[str, dict[int, dict[int, int]]] = {}
@@ -289,14 +352,16 @@ class KafkaSource:
         elif spec.expected_fingerprint:
             raise WrongReplica(f"expected_fingerprint {spec.expected_fingerprint!r} is not a Kafka epoch; "
                                      f"this feeder serves topic {self.url.topic} (Info gives its current epoch)")
-        else:  # the job's first stream here freezes the epoch; its other ranks reuse it
-            ranges = self._frozen.setdefault(spec.job, self._ranges_now())
+        else:  # agreed with every other feeder of the cluster (see the module doc)
+            ranges = self._register.epoch(spec.job, self._ranges_now)
         snap = self.snapshot(ranges, policy)
         if cursor is not None and cursor.fingerprint != snap.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                      f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
-        plan = StreamPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges)
+        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges)
         plan.bad_records = snap.bad_records
+        plan.register = self._register
+        self._register.hold(spec.job, plan)
         return plan, snap
 
     def snapshot(self, ranges: str, policy: str):
@@ -338,18 +403,30 @@ class KafkaSource:
         docs = tokens = 0
         c = Consumer(consumer_config(self.url.bootstrap))
         try:
+            # The topic and each partition must still exist before we wait on them: a deleted
+            # topic is NOT_FOUND at once (as in follow mode), not UNAVAILABLE retried for minutes.
+            present = set(partitions(c, topic, self.url.bootstrap))
             for p, lo, hi in spans:
                 if hi <= lo:
                     continue
-                low_now, _ = watermarks(c, topic, p, self.url.bootstrap)
+                if p not in present:
+                    raise DataLoss(f"Kafka {topic}/{p}: the partition is gone (the topic has partitions "
+                                   f"{sorted(present)}), so the epoch {ranges} cannot be read again")
+                low_now, high_now = watermarks(c, topic, p, self.url.bootstrap)
                 if low_now > lo:
                     raise DataLoss(f"Kafka {topic}/{p}: records from offset {lo} are gone (retention); the "
                                    f"partition now starts at {low_now}, so the epoch {ranges} cannot be read again")
+                if high_now < hi:
+                    # Offsets never go back: the topic was deleted and created again (or truncated).
+                    raise DataLoss(f"Kafka {topic}/{p}: the epoch {ranges} needs offsets up to {hi}, the partition "
+                                   f"now ends at {high_now} (deleted and created again?), so it cannot be read again")
                 c.assign([TopicPartition(topic, p, lo)])
                 pending: list[np.ndarray] = []
                 pos, idle_since = lo, time.monotonic()
                 while pos < hi:
-                    msgs = c.consume(1000, timeout=1.0)
+                    # No more than the range still needs: consume() returns once it has that many,
+                    # instead of waiting out its timeout for a 1000 that will not come.
+                    msgs = c.consume(max(1, min(1000, hi - pos)), timeout=1.0)
                     if not msgs:
                         pos = max(pos, c.position([TopicPartition(topic, p)])[0].offset)
                         if pos < hi and time.monotonic() - idle_since > 30:
@@ -446,8 +523,229 @@ class KafkaSource:
 
     def close(self) -> None:
         _close(self._consumer)
+        self._register.close()
         if self._group_consumer is not None:
             _close(self._group_consumer)
+
+
+class _BoundedPlan(StreamPlan):
+    """A bounded stream's plan; while it is open its job's register entry is kept live."""
+
+    register: "EpochRegister | None" = None
+
+    def close(self) -> None:
+        if self.register is not None:
+            self.register.release(self.spec.job, self)
+        super().close()
+
+
+@dataclass
+class _Entry:
+    ranges: str
+    ttl_ms: int
+    last_ms: int      # broker append time of the entry's latest record
+
+
+class EpochRegister:
+    """The bounded epochs of one topic's jobs, agreed through `__feeder_epochs` (module doc)."""
+
+    def __init__(self, bootstrap: str, topic: str, *, ttl_s: float, register: str = EPOCHS_TOPIC):
+        self.bootstrap, self.topic, self.register = bootstrap, topic, register
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._lock = threading.Lock()          # one agreement at a time per process: others then hit the cache
+        self._producer = self._consumer = None
+        self._entries: dict[str, _Entry] = {}  # job -> entry, as of the register records read so far
+        self._next = 0                          # the next register offset to read
+        self._agreed: dict[str, tuple[str, float]] = {}   # job -> (ranges, monotonic time before our record)
+        self._live: dict[str, weakref.WeakSet] = {}      # job -> open plans here (collected when dropped)
+        self._live_lock = threading.Lock()
+        self._connect_lock = threading.Lock()
+        self._stop, self._kick = threading.Event(), threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._warned = False
+
+    # -- agreement
+    def epoch(self, job: str, propose) -> str:
+        """The job's epoch (offset ranges): the live entry, or `propose()` if this makes it one."""
+        hit = self._cached(job)
+        if hit is not None:
+            return hit
+        with self._lock:
+            hit = self._cached(job)
+            if hit is not None:
+                return hit
+            self._connect()
+            known = self._entries.get(job)
+            # Propose what is already agreed if we know it (a refresh), else our own ranges.
+            mine = known.ranges if known is not None and time.time() * 1000 - known.last_ms < known.ttl_ms \
+                else propose()
+            sent = time.monotonic()
+            offset = self._append(job, mine, wait=True)
+            self._read_to(offset)
+            entry = self._entries[job]   # our own record was applied: the entry exists
+            self._agreed[job] = (entry.ranges, sent)
+            if entry.ranges != mine:
+                log.info("kafka %s job %s: epoch %s agreed earlier by another feeder (ours would be %s)",
+                         self.topic, job, entry.ranges, mine)
+            return entry.ranges
+
+    def _cached(self, job: str) -> str | None:
+        """Our record at monotonic `sent` keeps the entry live for a ttl after it in broker time;
+        half of that leaves room for clock rates and the record's own latency."""
+        hit = self._agreed.get(job)
+        if hit is None:
+            return None
+        ranges, sent = hit
+        entry = self._entries.get(job)
+        ttl_ms = min(self.ttl_ms, entry.ttl_ms if entry is not None else self.ttl_ms)
+        return ranges if (time.monotonic() - sent) * 1000 < ttl_ms / 2 else None
+
+    def _apply(self, m) -> None:
+        """One register record, in log order: establishes the job's entry if it has none live,
+        else refreshes it. Malformed or foreign records are skipped (by every reader alike)."""
+        try:
+            v = json.loads(m.value())
+            if v.get("topic") != self.topic:
+                return
+            job, ranges, ttl_ms = str(v["job"]), str(v["ranges"]), int(v["ttl_ms"])
+            if parse_ranges(ranges)[0] != self.topic or ttl_ms <= 0:
+                return
+        except (ValueError, TypeError, KeyError, AttributeError, FailedPrecondition):
+            log.warning("%s@%d: not an epoch register record; skipped", self.register, m.offset())
+            return
+        # The broker's append time where the register was created here (LogAppendTime); in a
+        # register created otherwise, the producers' clocks: still the same for every reader,
+        # but a feeder's clock far ahead could end an entry early, so say so once.
+        kind, at = m.timestamp()
+        if kind != 2 and not self._warned:   # 2: TIMESTAMP_LOG_APPEND_TIME
+            self._warned = True
+            log.warning("%s does not use LogAppendTime: epoch TTLs follow the feeders' clocks; create it with "
+                        "message.timestamp.type=LogAppendTime", self.register)
+        e = self._entries.get(job)
+        if e is None or at - e.last_ms > e.ttl_ms:
+            self._entries[job] = _Entry(ranges, ttl_ms, at)
+        else:
+            e.last_ms = max(e.last_ms, at)
+
+    # -- keeping a running job's entry live
+    def hold(self, job: str, plan) -> None:
+        """A bounded stream of `job` is open here with `plan` (its ranges in plan.src)."""
+        with self._live_lock:
+            live = self._live.setdefault(job, weakref.WeakSet())
+            first = not live
+            live.add(plan)
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew, daemon=True, name="kafka-epochs")
+                self._renewer.start()
+        if first:   # e.g. a job resumed from cursors after a long pause: its entry again, at once
+            self._kick.set()   # by the renewer: a stream open never waits on the register for this
+
+    def release(self, job: str, plan) -> None:
+        with self._live_lock:
+            live = self._live.get(job)
+            if live is not None:
+                live.discard(plan)
+
+    def _renew(self) -> None:
+        every = max(0.25, self.ttl_ms / 4000)
+        while True:
+            self._kick.wait(every)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
+            with self._live_lock:
+                running = {job: next(iter(live)).src for job, live in self._live.items() if len(live)}
+                for job in [j for j, live in self._live.items() if not len(live)]:
+                    del self._live[job]
+            for job, ranges in running.items():
+                self._refresh(job, ranges)
+
+    def _refresh(self, job: str, ranges: str) -> None:
+        try:
+            self._connect()
+            self._append(job, ranges, wait=False)
+        except Exception as e:   # the next tick tries again; the entry has ttl/4 of slack per miss
+            log.warning("kafka %s job %s: refreshing its epoch in %s failed: %s", self.topic, job, self.register, e)
+
+    # -- Kafka
+    def _connect(self) -> None:
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+        with self._connect_lock:
+            if self._producer is not None:
+                return
+            self._create_topic()
+            self._producer = Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True,
+                                       "acks": "all", "linger.ms": 0, "message.timeout.ms": 30000,
+                                       "logger": logging.getLogger("feeder.kafka.librdkafka")})
+            c = Consumer(consumer_config(self.bootstrap))
+            c.assign([TopicPartition(self.register, 0, OFFSET_BEGINNING)])
+            self._consumer = c
+
+    def _create_topic(self) -> None:
+        from confluent_kafka import KafkaError, KafkaException
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        try:
+            md = admin.list_topics(timeout=10)
+            if self.register in md.topics:
+                return
+            # LogAppendTime: one clock (the broker's) for every reader's TTL arithmetic; no
+            # retention limit: an entry's establishing record must outlive the job.
+            topic = NewTopic(self.register, 1, min(3, max(1, len(md.brokers))),
+                             config={"message.timestamp.type": "LogAppendTime", "retention.ms": "-1",
+                                     "retention.bytes": "-1", "cleanup.policy": "delete"})
+            admin.create_topics([topic])[self.register].result(30)
+            log.info("created the epoch register topic %s", self.register)
+        except KafkaException as e:
+            if e.args and getattr(e.args[0], "code", lambda: None)() == KafkaError.TOPIC_ALREADY_EXISTS:
+                return   # another feeder created it meanwhile
+            raise _unavailable(self.bootstrap, e) from None
+
+    def _append(self, job: str, ranges: str, *, wait: bool) -> int:
+        value = json.dumps({"topic": self.topic, "job": job, "ranges": ranges, "ttl_ms": self.ttl_ms},
+                           separators=(",", ":")).encode()
+        box: dict = {}
+        self._producer.produce(self.register, value=value, key=json.dumps([self.topic, job]).encode(), partition=0,
+                               on_delivery=(lambda err, msg: box.update(err=err, msg=msg)) if wait else None)
+        if not wait:
+            self._producer.poll(0)
+            return -1
+        self._producer.flush(30)
+        if box.get("err") is not None or "msg" not in box:
+            raise _unavailable(self.bootstrap, box.get("err") or "the epoch register write timed out")
+        return box["msg"].offset()
+
+    def _read_to(self, offset: int) -> None:
+        """Applies register records in order up to and including `offset`."""
+        from confluent_kafka import KafkaError
+
+        deadline = time.monotonic() + 30
+        while self._next <= offset:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"reading the epoch register {self.register} at {self.bootstrap} up to offset "
+                                  f"{offset} made no progress for 30s (at {self._next})")
+            # At most what is missing: consume() returns once it has that many (or at the end
+            # of the partition), instead of waiting out its timeout on every agreement.
+            for m in self._consumer.consume(max(1, min(1000, offset + 1 - self._next)), timeout=0.5):
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise _unavailable(self.bootstrap, err.str())
+                if m.offset() >= self._next:
+                    self._apply(m)
+                    self._next = m.offset() + 1
+                    deadline = time.monotonic() + 30
+
+    def close(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        if self._consumer is not None:
+            _close(self._consumer)
+        if self._producer is not None:   # refreshes in flight; never wait long on shutdown
+            threading.Thread(target=self._producer.flush, args=(2,), daemon=True, name="kafka-epochs-flush").start()
 
 
 def parse_ranges(ranges: str) -> tuple[str, list[tuple[int, int, int]]]:

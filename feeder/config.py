@@ -3,6 +3,7 @@ one raises InvalidArgument saying what was given and what was expected."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from feeder.errors import InvalidArgument
@@ -19,6 +20,7 @@ UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHOWN_CHARS = 64
 
 
@@ -55,16 +57,20 @@ def _non_negative(name: str, value: int, *, upper: int | None = None) -> None:
 
 
 def _flag(name: str, value) -> None:
-    # numpy's bool_ and 0/1 pass (protobuf takes them); a string such as "no" would not.
-    if not isinstance(value, bool) and (isinstance(value, (str, bytes, float)) or value not in (0, 1)):
+    # numpy's bool_ and the integers 0 and 1 pass (protobuf takes them); a string such as "no" does not.
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if not (isinstance(value, bool) or numpy_bool or (_integer(value) and value in (0, 1))):
         raise InvalidArgument(f"{name} must be True or False, got {shown(value)}")
 
 
-def _name(name: str, value, *, empty: bool = True) -> None:
-    # isprintable() is False for lone surrogates too, which UTF-8 (the wire's strings) cannot hold.
-    if not isinstance(value, str) or (not value and not empty) or len(value) > MAX_NAME or not value.isprintable():
-        raise InvalidArgument(f"{name} must be a printable name of {0 if empty else 1}..{MAX_NAME} characters, "
-                              f"got {shown(value)}")
+def _text(name: str, value, *, limit: int | None = None) -> None:
+    # Protobuf strings are UTF-8: a lone surrogate ("\ud800") cannot be sent.
+    ok = isinstance(value, str) and (limit is None or len(value) <= limit)
+    if ok and _LONE_SURROGATE.search(value):
+        ok = False
+    if not ok:
+        raise InvalidArgument(f"{name} must be a string of Unicode characters"
+                              f"{f' (at most {limit})' if limit else ''}, got {shown(value)}")
 
 
 def _compression(name: str, value: str, level: int) -> None:
@@ -100,7 +106,8 @@ class StreamSpec:
     bad_records: str = ""        # Kafka: "skip" | "fail" | "" (the source's default)
 
     def __post_init__(self):
-        _name("job", self.job, empty=False)
+        if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
+            raise InvalidArgument(f"job must be a printable name of 1..{MAX_NAME} characters, got {shown(self.job)}")
         _positive("world_size", self.world_size, upper=1 << 20)
         _non_negative("rank", self.rank)
         if self.rank >= self.world_size:
@@ -118,8 +125,8 @@ class StreamSpec:
         # "": the feeder chooses, and it may choose zstd at this level.
         _compression("compression", self.compression or "zstd", self.compression_level)
         _positive("num_workers", self.num_workers, upper=1024)
-        _name("dataset", self.dataset)
-        _name("expected_fingerprint", self.expected_fingerprint)
+        _text("dataset", self.dataset, limit=MAX_NAME)
+        _text("expected_fingerprint", self.expected_fingerprint)   # Kafka's lists every partition: no limit
         if self.bad_records not in BAD_RECORD_POLICIES:
             raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
                                   f"got {shown(self.bad_records)}")

@@ -76,15 +76,20 @@ COMPRESSORS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
                "zst": lambda b: zstandard.ZstdCompressor().compress(b)}
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+@pytest.mark.parametrize("kind", ["jsonl", "txt", "tfrecord"])
 @pytest.mark.parametrize("packer", sorted(COMPRESSORS))
 def test_regression_compressed_inputs_are_read_not_tokenized_as_text(tmp_path, kind, packer):
-    """A compressed .jsonl/.txt preps to exactly the tokens of its plain content; the
-    compression is told by the magic bytes, so a gzip file named plain .jsonl/.txt is read too."""
-    docs = make_docs(40, seed=7)
-    plain = write_jsonl(tmp_path / f"plain.{kind}", docs) if kind == "jsonl" else tmp_path / "plain.txt"
-    if kind == "txt":
+    """A compressed .jsonl/.txt/.tfrecord preps to exactly the tokens of its plain content; the
+    compression is told by the magic bytes, so a compressed file named plain .jsonl etc. is read too."""
+    from feeder.prep import write_tfrecord
+
+    plain = tmp_path / f"plain.{kind}"
+    if kind == "jsonl":
+        write_jsonl(plain, make_docs(40, seed=7))
+    elif kind == "txt":
         plain.write_text("one document ✓\nover two lines\n", encoding="utf-8")
+    else:
+        write_tfrecord(str(plain), [[1, 2, 3], [], list(range(200))])
     data = COMPRESSORS[packer](plain.read_bytes())
     named = tmp_path / f"named.{kind}.{packer}"
     named.write_bytes(data)
@@ -151,7 +156,8 @@ def test_regression_out_that_is_a_file_exits_2(tmp_path):
     (dict(epoch=2**32 - 1, num_epochs=2), "epoch + num_epochs must be at most 4294967295"),
     (dict(num_epochs=2**32), "num_epochs must be at most"),
     (dict(compression="none", compression_level=2**31), "compression level must be an integer"),
-    (dict(dataset="a\ud800"), "dataset must be a printable name"),
+    (dict(dataset="a\ud800"), "dataset must be a string of Unicode characters"),
+    (dict(expected_fingerprint=b"abc"), "expected_fingerprint must be a string"),
     (dict(shuffle="no"), "shuffle must be True or False"),
 ])
 def test_regression_values_the_wire_cannot_carry_raise_in_the_constructor(kw, words):

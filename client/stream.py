@@ -402,6 +402,16 @@ class FeederClient:
             for t in self.targets))
 
     def _run(self) -> None:
+        # Whatever goes wrong in here must reach the training loop: an exception that ended
+        # this thread unseen would leave the loop waiting in __next__ forever.
+        try:
+            self._stream()
+        except BaseException as e:
+            if not self._stop.is_set():
+                log.error("rank %d: the stream thread failed: %r", self.cfg.spec.rank, e)
+            self._put(e)
+
+    def _stream(self) -> None:
         if self._device is not None:
             torch.cuda.set_device(self._device)
         targets = self.targets

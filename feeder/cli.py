@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("prep", help="tokenize documents into Arrow IPC shards + manifest.json")
     s.add_argument("inputs", nargs="+", help=".jsonl (field text), .txt (one document), .parquet (column text), "
-                   ".tfrecord (int64 input_ids)")
+                   ".tfrecord (int64 input_ids); all but Parquet may be gzip/bzip2/xz/zstd compressed. Text is UTF-8")
     s.add_argument("--out", required=True, help="output directory (a Lustre path in production)")
     s.add_argument("--tokenizer", default="byte", help="'byte' or a path to a Hugging Face tokenizer.json")
     s.add_argument("--eos-token", default="", help="end-of-document token of a tokenizer.json")

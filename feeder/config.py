@@ -3,6 +3,7 @@ one raises InvalidArgument saying what was given and what was expected."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from feeder.errors import InvalidArgument
@@ -13,23 +14,72 @@ MAX_SEQ_LEN = 1 << 20
 MAX_MICRO_BATCH = 1 << 16
 
 
+# What the wire (protos/feeder/v1/feeder.proto) can carry: a value beyond these fails when the
+# client builds its request, in the stream thread, instead of here where the caller sees it.
+UINT32_MAX = (1 << 32) - 1
+UINT64_MAX = (1 << 64) - 1
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+MAX_NAME = 256
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+SHOWN_CHARS = 64
+
+
+def shown(value) -> str:
+    """repr(value) for an error message, cut short: messages echo what was given, and a 1 MiB
+    job name echoed whole would make a 1 MiB gRPC status (over the metadata limit, so the
+    caller would get RESOURCE_EXHAUSTED instead of the refusal) or a screenful on the CLI.
+    Huge integers are described, not printed (str() of one past 4300 digits raises)."""
+    if isinstance(value, (str, bytes)) and len(value) > SHOWN_CHARS:
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value):,} {unit} in all)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length():,} bits"
+    r = repr(value)
+    return r if len(r) <= 2 * SHOWN_CHARS else f"{r[:2 * SHOWN_CHARS]}... ({len(r):,} characters in all)"
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive(name: str, value: int, *, upper: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+    if not _integer(value) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive integer, got {shown(value)}")
     if upper is not None and value > upper:
-        raise InvalidArgument(f"{name} must be at most {upper}, got {value}")
+        raise InvalidArgument(f"{name} must be at most {upper}, got {shown(value)}")
 
 
-def _non_negative(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}")
+def _non_negative(name: str, value: int, *, upper: int | None = None) -> None:
+    if not _integer(value) or value < 0:
+        raise InvalidArgument(f"{name} must be a non-negative integer, got {shown(value)}")
+    if upper is not None and value > upper:
+        raise InvalidArgument(f"{name} must be at most {upper}, got {shown(value)}")
+
+
+def _flag(name: str, value) -> None:
+    # numpy's bool_ and the integers 0 and 1 pass (protobuf takes them); a string such as "no" does not.
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if not (isinstance(value, bool) or numpy_bool or (_integer(value) and value in (0, 1))):
+        raise InvalidArgument(f"{name} must be True or False, got {shown(value)}")
+
+
+def _text(name: str, value, *, limit: int | None = None) -> None:
+    # Protobuf strings are UTF-8: a lone surrogate ("\ud800") cannot be sent.
+    ok = isinstance(value, str) and (limit is None or len(value) <= limit)
+    if ok and _LONE_SURROGATE.search(value):
+        ok = False
+    if not ok:
+        raise InvalidArgument(f"{name} must be a string of Unicode characters"
+                              f"{f' (at most {limit})' if limit else ''}, got {shown(value)}")
 
 
 def _compression(name: str, value: str, level: int) -> None:
     if value not in COMPRESSIONS:
-        raise InvalidArgument(f"{name} must be one of {', '.join(COMPRESSIONS)}, got {value!r}")
+        raise InvalidArgument(f"{name} must be one of {', '.join(COMPRESSIONS)}, got {shown(value)}")
+    if not _integer(level) or not INT32_MIN <= level <= INT32_MAX:
+        raise InvalidArgument(f"compression level must be an integer, got {shown(level)}")
     if value == "zstd" and not -7 <= level <= 22:
-        raise InvalidArgument(f"zstd level must be in [-7, 22], got {level}")
+        raise InvalidArgument(f"zstd level must be in [-7, 22], got {shown(level)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,29 +109,36 @@ class StreamSpec:
     bad_records: str = ""        # Kafka: "skip" | "fail" | "" (the source's default)
 
     def __post_init__(self):
-        if not self.job or len(self.job) > 256 or not self.job.isprintable():
-            raise InvalidArgument(f"job must be a printable name of 1..256 characters, got {self.job!r}")
+        if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
+            raise InvalidArgument(f"job must be a printable name of 1..{MAX_NAME} characters, got {shown(self.job)}")
         _positive("world_size", self.world_size, upper=1 << 20)
         _non_negative("rank", self.rank)
         if self.rank >= self.world_size:
-            raise InvalidArgument(f"rank must be < world_size ({self.world_size}), got {self.rank}")
+            raise InvalidArgument(f"rank must be < world_size ({self.world_size}), got {shown(self.rank)}")
         _positive("seq_len", self.seq_len, upper=MAX_SEQ_LEN)
         _positive("micro_batch", self.micro_batch, upper=MAX_MICRO_BATCH)
-        _non_negative("seed", self.seed)
-        _non_negative("epoch", self.epoch)
-        _non_negative("num_epochs", self.num_epochs)
-        if self.compression:
-            _compression("compression", self.compression, self.compression_level)
+        _non_negative("seed", self.seed, upper=UINT64_MAX)
+        _non_negative("epoch", self.epoch, upper=UINT32_MAX)
+        _non_negative("num_epochs", self.num_epochs, upper=UINT32_MAX)
+        if self.epoch + self.num_epochs > UINT32_MAX:
+            raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
+                                  f"got {self.epoch} + {self.num_epochs}")
+        for flag in ("shuffle", "drop_last", "reshard"):
+            _flag(flag, getattr(self, flag))
+        # "": the feeder chooses, and it may choose zstd at this level.
+        _compression("compression", self.compression or "zstd", self.compression_level)
         _positive("num_workers", self.num_workers, upper=1024)
+        _text("dataset", self.dataset, limit=MAX_NAME)
+        _text("expected_fingerprint", self.expected_fingerprint)   # Kafka's lists every partition: no limit
         if self.bad_records not in BAD_RECORD_POLICIES:
             raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
-                                  f"got {self.bad_records!r}")
-        if not 0 <= self.worker_index < self.num_workers:
+                                  f"got {shown(self.bad_records)}")
+        if not _integer(self.worker_index) or not 0 <= self.worker_index < self.num_workers:
             raise InvalidArgument(
-                f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index}")
-        if not 0 <= self.worker_phase < self.num_workers:
+                f"worker_index must be in [0, num_workers={self.num_workers}), got {shown(self.worker_index)}")
+        if not _integer(self.worker_phase) or not 0 <= self.worker_phase < self.num_workers:
             raise InvalidArgument(
-                f"worker_phase must be in [0, num_workers={self.num_workers}), got {self.worker_phase}")
+                f"worker_phase must be in [0, num_workers={self.num_workers}), got {shown(self.worker_phase)}")
 
     @property
     def end_epoch(self) -> int | None:
@@ -134,7 +191,7 @@ class ServeConfig:
             raise InvalidArgument("source must name a dataset directory, got ''")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise InvalidArgument(f"listen must be HOST:PORT, got {self.listen!r}")
+            raise InvalidArgument(f"listen must be HOST:PORT, got {shown(self.listen)}")
         _positive("prefetch_messages", self.prefetch_messages)
         _positive("prefetch_bytes", self.prefetch_bytes)
         _positive("message_bytes", self.message_bytes, upper=64 << 20)
@@ -144,19 +201,19 @@ class ServeConfig:
         if self.metrics_listen:
             mhost, msep, mport = self.metrics_listen.rpartition(":")
             if not msep or not mport.isdigit() or int(mport) > 65535:
-                raise InvalidArgument(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
+                raise InvalidArgument(f"metrics_listen must be HOST:PORT, got {shown(self.metrics_listen)}")
         if self.log_format not in ("text", "json"):
-            raise InvalidArgument(f"log_format must be text or json, got {self.log_format!r}")
+            raise InvalidArgument(f"log_format must be text or json, got {shown(self.log_format)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("TLS needs both tls_cert and tls_key (--tls-cert/--tls-key), got only "
                                   f"{'tls_cert' if self.tls_cert else 'tls_key'}")
         if self.tls_client_ca and not self.tls_cert:
             raise InvalidArgument("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
         if not isinstance(self.remote_rtt_ms, (int, float)) or self.remote_rtt_ms < 0:
-            raise InvalidArgument(f"remote_rtt_ms must be a non-negative number, got {self.remote_rtt_ms!r}")
+            raise InvalidArgument(f"remote_rtt_ms must be a non-negative number, got {shown(self.remote_rtt_ms)}")
         if not isinstance(self.peers, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p) for p in self.peers):
-            raise InvalidArgument(f"peers must be (region, HOST:PORT) pairs, got {self.peers!r}")
+            raise InvalidArgument(f"peers must be (region, HOST:PORT) pairs, got {shown(self.peers)}")
         from feeder.net import is_loopback
 
         for what, address in (("listen", self.listen), ("metrics_listen", self.metrics_listen)):
@@ -212,9 +269,9 @@ class PublishConfig:
         if not self.inputs:
             raise InvalidArgument("feeder publish needs at least one input file, got none")
         if not self.to.startswith("kafka://"):
-            raise InvalidArgument(f"--to must be kafka://HOST:PORT/TOPIC, got {self.to!r}")
+            raise InvalidArgument(f"--to must be kafka://HOST:PORT/TOPIC, got {shown(self.to)}")
         _non_negative("partitions", self.partitions)
         if self.key not in ("", "index"):
-            raise InvalidArgument(f"--key must be 'index' (or left out for round-robin), got {self.key!r}")
+            raise InvalidArgument(f"--key must be 'index' (or left out for round-robin), got {shown(self.key)}")
         _non_negative("workers", self.workers)
         _positive("batch_docs", self.batch_docs)

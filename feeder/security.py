@@ -269,7 +269,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if err:
                     raise err
-                if name in JOB_SCOPED:
+                # A request that did not parse comes as the servicer's InvalidArgument: it names
+                # no job, and the servicer answers it once the token has been checked.
+                if name in JOB_SCOPED and not isinstance(request, FeederError):
                     check_job(grant, name, request.job)
             except FeederError as e:
                 log.warning("refused %s from %s: %s", name, context.peer(), e)

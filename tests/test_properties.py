@@ -203,11 +203,6 @@ def test_plan_refuses_drop_last_when_every_rank_would_get_nothing(nw):
                    fingerprint="f", cursor=None)
 
 
-@pytest.mark.xfail(strict=True, raises=(OverflowError, struct.error),
-                   reason="found while writing these properties, reported, not fixed here: StreamSpec accepts epoch + "
-                          "num_epochs past 2^32 (both uint32 in the proto), the plan reaches epoch 2^32, and "
-                          "the cursor cannot hold it: the stream dies mid-way with INTERNAL instead of being "
-                          "refused up front. Remove this marker with the fix.")
 @_examples(20)
 @given(epoch=st.integers(U32 - 3, U32), num_epochs=st.integers(1, 5))
 @example(epoch=U32, num_epochs=2)   # the minimal case

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -9,10 +10,11 @@ import time
 
 import google_crc32c
 import grpc
+from google.protobuf.message import DecodeError
 
 from feeder.config import StreamSpec
 from feeder.engine import Engine
-from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
+from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError, InvalidArgument
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.stream import unknown_job
 from feeder.siblings import merge
@@ -38,12 +40,34 @@ COMPRESSION_ENUM = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
 DTYPE_ENUM = {"uint16": pb.DTYPE_UINT16, "uint32": pb.DTYPE_UINT32}
 
 
+# gRPC sends a status message as a percent-encoded header, and a peer drops headers past its
+# metadata limit (8 KiB soft, 16 KiB hard by default): the caller then sees RESOURCE_EXHAUSTED
+# instead of the refusal. Every message is cut to this many bytes as sent.
+MAX_STATUS_MESSAGE = 2048
+
+
+def capped(message: str, limit: int = MAX_STATUS_MESSAGE) -> str:
+    """message, cut so that its percent-encoded form (grpc-message) fits in `limit` bytes."""
+    def sent(ch: str) -> int:  # bytes on the wire: printable ASCII but % as is, the rest %XX per UTF-8 byte
+        return 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "surrogatepass"))
+
+    if len(message) <= limit and sum(map(sent, message)) <= limit:
+        return message
+    tail = f"... ({len(message):,} characters in all)"
+    budget, used, cut = limit - len(tail), 0, 0
+    for cut, ch in enumerate(message):
+        used += sent(ch)
+        if used > budget:
+            break
+    return message[:cut] + tail
+
+
 async def _abort(context: grpc.aio.ServicerContext, err: Exception):
     if isinstance(err, FeederError):
-        await context.abort(STATUS[err.code], err.message,
+        await context.abort(STATUS[err.code], capped(err.message),
                             trailing_metadata=((ELSEWHERE, "1"),) if err.elsewhere else ())
     log.exception("internal error", exc_info=err)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err.__class__.__name__}: {err}")
+    await context.abort(grpc.StatusCode.INTERNAL, capped(f"internal error: {err.__class__.__name__}: {err}"))
 
 
 def unary(fn):
@@ -110,20 +134,56 @@ def status_reply(e: Engine, job: str = "") -> pb.StatusReply:
     return reply
 
 
+def _parser(message_type):
+    """A request deserializer that never raises. gRPC answers UNKNOWN when a deserializer
+    raises, and a caller that sent bytes which are not the request deserves INVALID_ARGUMENT;
+    so a malformed request arrives at the handler as the InvalidArgument to answer with (the
+    AuthInterceptor lets it through to here once the token is checked: it names no job)."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            return InvalidArgument(f"the request is not a valid {name}: its {len(data)} bytes do not parse "
+                                   f"as that protobuf message ({str(e).rpartition(': ')[2]})")
+    return parse
+
+
+def _refusing_malformed(behavior, streaming: bool):
+    if streaming:
+        async def stream(request, context):
+            if isinstance(request, FeederError):
+                await _abort(context, request)
+            # aclosing: when the call ends early, the handler's own cleanup runs now, not at GC.
+            async with contextlib.aclosing(behavior(request, context)) as replies:
+                async for reply in replies:
+                    yield reply
+        return stream
+
+    async def unary_behavior(request, context):
+        if isinstance(request, FeederError):
+            await _abort(context, request)
+        return await behavior(request, context)
+    return unary_behavior
+
+
 def add_to_server(servicer: "FeederServicer", server) -> None:
     """Like the generated add_FeederServicer_to_server, except that Stream's replies arrive
-    already serialized (bytes, built off the event loop) and go to gRPC as they are."""
+    already serialized (bytes, built off the event loop) and go to gRPC as they are, and that
+    a request which does not parse is refused with INVALID_ARGUMENT (see _parser)."""
     handlers = {
         "Stream": grpc.unary_stream_rpc_method_handler(
-            servicer.Stream, request_deserializer=pb.StreamRequest.FromString, response_serializer=None),
+            _refusing_malformed(servicer.Stream, streaming=True), request_deserializer=_parser(pb.StreamRequest),
+            response_serializer=None),
         "Info": grpc.unary_unary_rpc_method_handler(
-            servicer.Info, request_deserializer=pb.InfoRequest.FromString,
+            _refusing_malformed(servicer.Info, streaming=False), request_deserializer=_parser(pb.InfoRequest),
             response_serializer=pb.InfoReply.SerializeToString),
         "Status": grpc.unary_unary_rpc_method_handler(
-            servicer.Status, request_deserializer=pb.StatusRequest.FromString,
+            _refusing_malformed(servicer.Status, streaming=False), request_deserializer=_parser(pb.StatusRequest),
             response_serializer=pb.StatusReply.SerializeToString),
         "Report": grpc.unary_unary_rpc_method_handler(
-            servicer.Report, request_deserializer=pb.ReportRequest.FromString,
+            _refusing_malformed(servicer.Report, streaming=False), request_deserializer=_parser(pb.ReportRequest),
             response_serializer=pb.ReportReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,6 +1,10 @@
 """FeederDataset: a torch IterableDataset over one rank's feeder stream."""
 from __future__ import annotations
 
+import os
+import tempfile
+import uuid
+import weakref
 from typing import Iterator, Mapping, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -58,6 +62,12 @@ class FeederDataset(IterableDataset):
                               keep_freed_memory=keep_freed_memory)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
+        # Where load_state_dict leaves the cursor for DataLoader workers: a persistent worker
+        # holds the copy of this object it was started with, so a cursor loaded here later
+        # reaches it only through a file it reads at the start of each pass.
+        self._anchor = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                                    f"feeder-dataset-{os.getpid()}-{uuid.uuid4().hex}.cursor")
+        weakref.finalize(self, _remove_anchor, self._anchor, os.getpid())
 
     def __iter__(self) -> Iterator[FeederBatch]:
         info = get_worker_info()
@@ -69,7 +79,8 @@ class FeederDataset(IterableDataset):
         transport = self.transport if info is None else {**self.transport, "pin_memory": False}
         if self.client is not None:
             self.client.close()
-        self.client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=self.cursor, **transport))
+        cursor = self.cursor if info is None else self._pass_start()
+        self.client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=cursor, **transport))
         try:
             for batch in self.client:
                 # In a DataLoader worker the cursor stays the pass's start: the worker's own
@@ -90,6 +101,19 @@ class FeederDataset(IterableDataset):
         if state.get("version") != 1:
             raise ValueError(f"FeederDataset state version {state.get('version')!r} is not supported, expected 1")
         self.cursor = state["cursor"]
+        tmp = f"{self._anchor}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"N" if self.cursor is None else b"C" + bytes(self.cursor))
+        os.replace(tmp, self._anchor)   # a worker starting a pass reads the old cursor or the new, whole
+
+    def _pass_start(self) -> bytes | None:
+        """In a DataLoader worker: the cursor a pass starts from, the main process's latest."""
+        try:
+            with open(self._anchor, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:       # no load_state_dict since the worker got its copy
+            return self.cursor
+        return None if data[:1] == b"N" else data[1:]
 
     @property
     def data_wait_s(self) -> float:
@@ -99,3 +123,11 @@ class FeederDataset(IterableDataset):
     def region(self) -> str:
         return self.client.region if self.client is not None else ""
 
+
+
+def _remove_anchor(path: str, owner: int) -> None:
+    if os.getpid() == owner:       # not from a forked worker's copy
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

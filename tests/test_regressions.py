@@ -274,3 +274,27 @@ def test_reshard_at_an_epochs_end_does_not_deal_drop_lasts_tail_again():
     assert {b.epoch for b in resumed} == {1}
     assert [int(i) for b in resumed for i in b.ids] == reference_ids(10, 1, 0, shuffle=True, seed=3, drop_last=True,
                                                                     epoch=1)
+
+
+def test_load_state_dict_reaches_persistent_workers_for_the_next_pass(feeder, stream):
+    """Found by the fault harness (seed 543): after a pass broken off at step 30 and
+    load_state_dict(cursor of step 30), the next pass over 3 persistent workers went on from
+    where the workers had streamed to (step 37): they kept the copy of the dataset they were
+    started with. Now each pass starts at the main process's latest cursor."""
+    seq_len, mb, seed = 16, 2, 3
+    ds = FeederDataset([feeder.address], job="persistent-repass", rank=1, world_size=2, seq_len=seq_len,
+                       micro_batch=mb, seed=seed, num_epochs=1)
+    dl = DataLoader(ds, batch_size=None, num_workers=3, persistent_workers=True,
+                    multiprocessing_context=mp.get_context("spawn"))
+    first = []
+    for batch in dl:
+        first.append(batch)
+        if len(first) == 31:
+            break
+    ds.load_state_dict({"version": 1, "cursor": first[-1].cursor})
+    rest = list(dl)
+    assert rest[0].step == 31
+    want = expected_ids(stream, 1, 2, seq_len, seed)
+    check_batches(first + rest, stream, seq_len, want)
+    ds.load_state_dict({"version": 1, "cursor": None})   # and back to the start
+    assert [b.step for b in dl][:3] == [0, 1, 2]

@@ -44,5 +44,6 @@ class GroupCommits:
             log.warning("kafka %s: committing offsets to group %s failed: %s", self.url.topic, self.url.group, e)
 
     def close(self) -> None:
+        """Lets go of the group's consumer (without waiting on it)."""
         if self._consumer is not None:
             close_soon(self._consumer)

@@ -142,6 +142,7 @@ class EpochRegister:
             self._kick.set()   # by the renewer: a stream open never waits on the register for this
 
     def release(self, job: str, plan) -> None:
+        """The stream of `job` with `plan` closed here: its entry is no longer refreshed for it."""
         with self._live_lock:
             live = self._live.get(job)
             if live is not None:
@@ -241,6 +242,7 @@ class EpochRegister:
                     deadline = time.monotonic() + 30
 
     def close(self) -> None:
+        """Stops refreshing and lets go of the register's clients (without waiting on them)."""
         self._stop.set()
         self._kick.set()
         if self._consumer is not None:

@@ -15,7 +15,8 @@ from feeder.config import PublishConfig
 from feeder.errors import InvalidArgument, Unavailable
 from feeder.prep import input_kind, tokenized
 from feeder.progress import Progress
-from feeder.sources.kafka import KafkaURL, encode_record
+from feeder.sources.kafka.codec import encode_record
+from feeder.sources.kafka.options import KafkaURL
 
 log = logging.getLogger("feeder.publish")
 

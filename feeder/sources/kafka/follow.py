@@ -1,0 +1,150 @@
+"""Follow mode's plan: one rank's endless stream, its records (from `reader.FollowReader`)
+packed into samples of seq_len + 1 tokens, and the cursor after each batch.
+
+The topic is tailed without end; record k goes to rank k mod W, and each rank packs its
+records into samples. The cursor holds the interleave's offsets and how far into a record the
+next sample starts, so a restart replays exactly. No I/O here: that is the reader's.
+"""
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor
+from feeder.errors import FailedPrecondition
+from feeder.planning import PlannedBatch, Start
+from feeder.sources.kafka.reader import FollowReader, FollowState
+
+
+@dataclass
+class _Mark:
+    at: int              # position, in this rank's token stream, of the record's first token
+    state: FollowState   # interleave state just before the record
+
+
+class FollowPlan:
+    """One rank's endless stream: round-robin interleave, records dealt k mod W, packed.
+
+    Reads through `reader` (by default a FollowReader of `src` opened here); `executor`, `lag`,
+    `bad_records` and `close` are the reader's, for the pipeline."""
+
+    def __init__(self, src, spec: StreamSpec, cursor: Cursor | None, policy: str, *,
+                 reader: FollowReader | None = None):
+        self.spec, self.policy = spec, policy
+        self.reader = reader if reader is not None else FollowReader.for_stream(src, spec, policy)
+        self.topic, self.dtype = src.url.topic, src.dtype
+        self.fingerprint = f"kafka-follow:{self.topic}"
+        self.n = 0
+        # step -> offsets fully consumed once the batch of that step is taken (for group commits)
+        self.offsets_after: deque[tuple[int, list[int]]] = deque(maxlen=4096)
+        self.parts = self.reader.parts
+        if cursor is None:
+            self.state = FollowState(next=self.reader.first_offsets())
+            self.i, skip, step = 0, 0, 0
+        else:
+            self.state, self.i, skip = self._resume(cursor)
+            step = cursor.step
+        self.start = Start(epoch=spec.epoch, base=0, world=spec.world_size, pos=self.i, step=step)
+        self._skip = skip
+        self._step = step
+
+    def _resume(self, cursor: Cursor) -> tuple[FollowState, int, int]:
+        """(interleave state, sample index, tokens to skip) of a cursor that fits this stream."""
+        spec = self.spec
+        if cursor.fingerprint != self.fingerprint:
+            raise FailedPrecondition(f"cursor does not fit this stream: dataset fingerprint differs: the cursor "
+                                     f"has {cursor.fingerprint!r}, this stream reads {self.fingerprint!r}")
+        for name, theirs, ours in (("job", cursor.job, spec.job), ("world_size", cursor.world_size, spec.world_size),
+                                   ("rank", cursor.rank, spec.rank), ("seq_len", cursor.seq_len, spec.seq_len)):
+            if theirs != ours:
+                raise FailedPrecondition(f"cursor does not fit this stream: {name} differs: the cursor has "
+                                         f"{theirs!r}, the request has {ours!r}")
+        pos = json.loads(cursor.src)
+        if pos["P"] != len(self.parts):
+            raise FailedPrecondition(f"topic {self.topic} had {pos['P']} partitions when this cursor was made "
+                                     f"and has {len(self.parts)} now; a follow stream needs a fixed partition count")
+        return FollowState(next=pos["next"], turn=pos["turn"], k=pos["k"]), pos["i"], pos["skip"]
+
+    # -- the reader's, for the pipeline (stream.RankStream) and metrics
+    @property
+    def executor(self):
+        """The thread the stream runs on: consume() blocks."""
+        return self.reader.executor
+
+    @property
+    def lag(self) -> dict[int, int]:
+        return self.reader.lag
+
+    @property
+    def bad_records(self) -> int:
+        return self.reader.bad_records
+
+    def close(self) -> None:
+        """Stops the reader (see FollowReader.close)."""
+        self.reader.close()
+
+    # -- planning
+    def offsets_at(self, step: int) -> dict[int, int] | None:
+        """{partition: next offset} once the batch of `step` has been taken, if remembered."""
+        for s, nxt in reversed(self.offsets_after):
+            if s == step:
+                return dict(zip(self.parts, nxt))
+            if s < step:
+                break
+        return None
+
+    def _cursor(self, state: FollowState, skip: int, i: int, step: int) -> Cursor:
+        s = self.spec
+        src = json.dumps({"P": len(self.parts), "next": state.next, "turn": state.turn, "k": state.k,
+                          "skip": skip, "i": i}, separators=(",", ":"))
+        return Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=False, drop_last=s.drop_last,
+                      seq_len=s.seq_len, world_size=s.world_size, rank=s.rank, epoch=s.epoch, base=0, pos=i,
+                      step=step, src=src)
+
+    def batches(self) -> Iterator[PlannedBatch | None]:
+        """This rank's batches (tokens included), each with the cursor after it; None whenever
+        the reader has no record ready (the caller flushes what it has and asks again)."""
+        s = self.spec
+        L, W, r, mb = s.seq_len, s.world_size, s.rank, s.micro_batch
+        i, step = self.i, self._step
+        buf = np.empty(0, dtype=self.dtype)
+        buf_at = i * L - self._skip        # stream position of buf[0]
+        marks: deque[_Mark] = deque()
+        first = True
+        rows: list[np.ndarray] = []
+        for item in self.reader.records(self.state):
+            if item is None:
+                yield None
+                continue
+            before, tokens = item
+            if first:
+                marks.append(_Mark(buf_at, before))
+                first = False
+            if tokens is None:
+                continue
+            end = buf_at + len(buf)
+            marks.append(_Mark(end, before))
+            buf = np.concatenate([buf, tokens]) if len(buf) else tokens
+            while buf_at + len(buf) >= (i * L) + L + 1:        # sample i is complete
+                off = i * L - buf_at
+                rows.append(buf[off:off + L + 1])
+                i += 1
+                drop = i * L - buf_at
+                if drop > 0:
+                    buf, buf_at = buf[drop:], buf_at + drop
+                if len(rows) == mb:
+                    nxt = i * L
+                    while len(marks) > 1 and marks[1].at <= nxt:
+                        marks.popleft()
+                    mark = marks[0]
+                    ids = np.arange(i - mb, i, dtype=np.int64) * W + r
+                    cursor = self._cursor(mark.state, nxt - mark.at, i, step + 1)
+                    self.offsets_after.append((step, list(mark.state.next)))
+                    yield PlannedBatch(epoch=s.epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=0,
+                                       tokens=np.stack(rows))
+                    rows, step = [], step + 1

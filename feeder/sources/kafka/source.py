@@ -1,0 +1,145 @@
+"""The Kafka source: presents a topic, and decides per stream what the job reads (a bounded
+epoch's snapshot, or a follow stream's reader) from the URL's mode (package doc)."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from feeder import manifest as mf
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor
+from feeder.errors import FailedPrecondition, InvalidArgument, WrongReplica
+from feeder.planning import StreamPlan
+from feeder.sources.kafka.codec import read_header
+from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, watermarks
+from feeder.sources.kafka.follow import FollowPlan
+from feeder.sources.kafka.groups import GroupCommits
+from feeder.sources.kafka.options import KafkaURL
+from feeder.sources.kafka.reader import FollowReader
+from feeder.sources.kafka.ranges import format_ranges
+from feeder.sources.kafka.register import EpochRegister
+from feeder.sources.kafka.snapshot import Snapshots
+
+log = logging.getLogger("feeder.kafka")
+
+
+class KafkaSource:
+    """Presents a topic; `plan_for` decides per stream what the job reads (see the package doc)."""
+
+    def __init__(self, url: KafkaURL):
+        from confluent_kafka import Consumer
+
+        self.url = url
+        self.name = url.topic
+        self._consumer = Consumer(consumer_config(url.bootstrap))   # metadata and watermarks only
+        self._meta_lock = threading.Lock()
+        self.vocab_size, self.eos_id = url.vocab_size, url.eos_id
+        if self.vocab_size <= 0:
+            self.vocab_size, self.eos_id = self._vocab_from_first_record()
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise InvalidArgument(f"Kafka source {url.topic}: eos_id must be in [0, vocab_size={self.vocab_size}), "
+                                  f"got {self.eos_id}")
+        self.dtype = np.dtype(mf.dtype_for_vocab(self.vocab_size))
+        self.n_tokens = self.n_documents = 0   # unknown until a job freezes its epoch
+        self._register = EpochRegister(url.bootstrap, url.topic, ttl_s=url.epoch_ttl_s)
+        self._groups = GroupCommits(url)
+        spool = Path(url.spool or Path(tempfile.gettempdir()) / f"feeder-kafka-spool-{os.getuid()}")
+        self._snapshots = Snapshots(url, spool, dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id)
+
+    # -- Info
+    @property
+    def fingerprint(self) -> str:
+        """bounded: the offset ranges a job starting now would read (pass it back as
+        expected_fingerprint to pin every rank, on every feeder, to the same epoch)."""
+        if self.url.mode == "follow":
+            return f"kafka-follow:{self.url.topic}"
+        return self._ranges_now()
+
+    def _vocab_from_first_record(self) -> tuple[int, int]:
+        from confluent_kafka import TopicPartition
+
+        c = self._consumer
+        with self._meta_lock:
+            for p in partitions(c, self.url.topic, self.url.bootstrap):
+                lo, hi = watermarks(c, self.url.topic, p, self.url.bootstrap)
+                if hi <= lo:
+                    continue
+                c.assign([TopicPartition(self.url.topic, p, lo)])
+                msgs = c.consume(1, timeout=10)
+                c.unassign()
+                header = read_header(msgs[0].value() if msgs and msgs[0].error() is None else None)
+                if header is not None:
+                    log.info("topic %s: vocab_size=%d eos_id=%d from its first record's header",
+                             self.url.topic, *header)
+                    return header
+                break
+        raise InvalidArgument(f"Kafka source {self.url.topic}: give vocab_size and eos_id (URL options "
+                              "?vocab_size=N&eos_id=N or --vocab-size/--eos-id); the topic's first record does not "
+                              "carry them (empty topic, or JSON records)")
+
+    def _ranges_now(self) -> str:
+        c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
+        with self._meta_lock:
+            spans = [(p, *watermarks(c, topic, p, bootstrap)) for p in partitions(c, topic, bootstrap)]
+        return format_ranges(topic, spans)
+
+    # -- streams
+    def plan_for(self, spec: StreamSpec, cursor: Cursor | None):
+        """(plan, token source) for one stream; may block (snapshot build, metadata)."""
+        policy = spec.bad_records or self.url.bad_records
+        if self.url.mode == "follow":
+            if spec.reshard:
+                raise FailedPrecondition("a Kafka follow stream cannot be re-dealt to another world size; "
+                                         "resume it with the world size of its cursor")
+            reader = FollowReader.for_stream(self, spec, policy)
+            return FollowPlan(self, spec, cursor, policy, reader=reader), self
+        if cursor is not None and cursor.src:
+            ranges = cursor.src
+        elif spec.expected_fingerprint.startswith("kafka:"):
+            ranges = spec.expected_fingerprint
+        elif spec.expected_fingerprint:
+            raise WrongReplica(f"expected_fingerprint {spec.expected_fingerprint!r} is not a Kafka epoch; "
+                               f"this feeder serves topic {self.url.topic} (Info gives its current epoch)")
+        else:  # agreed with every other feeder of the cluster (see register.py)
+            ranges = self._register.epoch(spec.job, self._ranges_now)
+        snap = self.snapshot(ranges, policy)
+        if cursor is not None and cursor.fingerprint != snap.fingerprint:
+            raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
+                               f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
+        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges)
+        plan.bad_records = snap.bad_records
+        plan.register = self._register
+        self._register.hold(spec.job, plan)
+        return plan, snap
+
+    def snapshot(self, ranges: str, policy: str):
+        """The frozen epoch as a local file dataset, built once per (ranges, policy)."""
+        return self._snapshots.get(ranges, policy)
+
+    def commit_taken(self, job: str, rank: int, world: int, offsets: dict[int, int]) -> None:
+        """Follow mode with ?group=NAME: commit, per partition, the offset every rank of the job
+        has passed (the minimum over ranks of what their loops have taken), so standard Kafka
+        tooling (kafka-consumer-groups --describe) shows the job's lag. Best effort, async."""
+        self._groups.commit_taken(job, rank, world, offsets)
+
+    def close(self) -> None:
+        """Lets go of the source's Kafka clients (without waiting on them)."""
+        close_soon(self._consumer)
+        self._register.close()
+        self._groups.close()
+
+
+class _BoundedPlan(StreamPlan):
+    """A bounded stream's plan; while it is open its job's register entry is kept live."""
+
+    register: "EpochRegister | None" = None
+
+    def close(self) -> None:
+        if self.register is not None:
+            self.register.release(self.spec.job, self)
+        super().close()

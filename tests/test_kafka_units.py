@@ -1,0 +1,278 @@
+"""Unit tests of the Kafka package's pure parts, no broker: the record codec (round trips and
+every bad-record kind), the URL options (every option, every bad value's message), the epoch
+ranges, and the follow plan's packing and cursors over a scripted reader."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from feeder.config import StreamSpec
+from feeder.errors import FailedPrecondition, InvalidArgument
+from feeder.sources.kafka import (BAD_KINDS, EPOCH_TTL_S, MAGIC, BadRecord, FollowPlan, FollowState, KafkaURL,
+                                  decode_record, encode_record, parse_ranges)
+from feeder.sources.kafka.codec import HEADER, read_header
+from feeder.sources.kafka.ranges import format_ranges
+
+U16, U32 = np.dtype(np.uint16), np.dtype(np.uint32)
+
+
+def decode(value, *, dtype=U16, vocab_size=300, max_bytes=1 << 20):
+    return decode_record(value, dtype=dtype, vocab_size=vocab_size, max_bytes=max_bytes)
+
+
+def kind_of(value, **kw) -> str:
+    with pytest.raises(BadRecord) as e:
+        decode(value, **kw)
+    assert e.value.kind in BAD_KINDS
+    assert str(e.value) == f"{e.value.kind}: {e.value.detail}"
+    return e.value.kind
+
+
+# --------------------------------------------------------------------------- codec: round trips
+
+@pytest.mark.parametrize("vocab_size,dtype", [(300, U16), (65536, U16), (65537, U32), (200_000, U32)])
+def test_encode_decode_round_trip_in_the_vocab_id_width(vocab_size, dtype):
+    ids = np.array([0, 1, vocab_size - 1, 7, vocab_size // 2], dtype=np.int64)
+    value = encode_record(ids, vocab_size=vocab_size, eos_id=vocab_size - 1, tokenizer="byte")
+    assert value[:4] == MAGIC
+    assert len(value) == HEADER.size + len("byte") + len(ids) * dtype.itemsize
+    got = decode(value, dtype=dtype, vocab_size=vocab_size)
+    assert got.dtype.itemsize == dtype.itemsize
+    assert got.tolist() == ids.tolist()
+    assert read_header(value) == (vocab_size, vocab_size - 1)
+
+
+def test_empty_document_round_trips_as_no_tokens_in_both_formats():
+    for value in (encode_record(np.zeros(0, np.int64), vocab_size=300, eos_id=299, tokenizer="t"), b'{"tokens": []}'):
+        got = decode(value)
+        assert got.size == 0 and got.dtype == U16
+
+
+def test_json_record_decodes_to_its_ids():
+    assert decode(b'{"tokens": [5, 0, 299]}').tolist() == [5, 0, 299]
+    assert decode(b' {"tokens": [1]}').tolist() == [1]          # leading space: still JSON
+    assert read_header(b'{"tokens": [1]}') is None
+
+
+def test_tokenizer_name_is_cut_to_255_bytes_and_skipped_on_decode():
+    value = encode_record(np.array([3, 4]), vocab_size=300, eos_id=0, tokenizer="x" * 1000)
+    assert struct.unpack_from("<4sBBII", value)[2] == 255
+    assert decode(value).tolist() == [3, 4]
+
+
+def test_record_at_the_size_limit_is_served_one_byte_over_is_too_large():
+    value = encode_record(np.array([1, 2, 3]), vocab_size=300, eos_id=0, tokenizer="b")
+    assert decode(value, max_bytes=len(value)).tolist() == [1, 2, 3]
+    assert kind_of(value, max_bytes=len(value) - 1) == "too_large"
+
+
+# --------------------------------------------------------------------------- codec: every bad kind
+
+BAD = {
+    "null value": (None, "empty"),
+    "zero bytes": (b"", "empty"),
+    "shorter than the header": (MAGIC + b"\x02\x00", "undecodable"),
+    "name runs past the end": (HEADER.pack(MAGIC, 2, 200, 300, 0) + b"ab", "undecodable"),
+    "payload not whole ids": (HEADER.pack(MAGIC, 2, 0, 300, 0) + b"\x01\x00\x02", "undecodable"),
+    "4-byte ids on a 2-byte topic": (HEADER.pack(MAGIC, 4, 0, 300, 0) + b"\x01\x00\x00\x00", "wrong_dtype"),
+    "binary id out of vocab": (HEADER.pack(MAGIC, 2, 0, 300, 0) + struct.pack("<HH", 1, 300), "out_of_vocab"),
+    "neither format": (b"hello world", "undecodable"),
+    "invalid JSON": (b'{"tokens": [1, 2', "undecodable"),
+    "JSON not an object": (b" [1, 2]", "undecodable"),
+    "JSON without tokens": (b'{"ids": [1]}', "undecodable"),
+    "JSON tokens not a list": (b'{"tokens": "12"}', "undecodable"),
+    "JSON deep nesting": (b'{"tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "undecodable"),
+    "JSON 5000 digits": (b'{"tokens": [' + b"9" * 5000 + b"]}", "undecodable"),
+    "JSON float": (b'{"tokens": [1, 2.0]}', "wrong_dtype"),
+    "JSON bool": (b'{"tokens": [true]}', "wrong_dtype"),
+    "JSON string": (b'{"tokens": ["1"]}', "wrong_dtype"),
+    "JSON negative": (b'{"tokens": [-1]}', "out_of_vocab"),
+    "JSON at vocab_size": (b'{"tokens": [300]}', "out_of_vocab"),
+    "JSON beyond int64": (b'{"tokens": [100000000000000000000000]}', "out_of_vocab"),
+    "JSON bad UTF-8": (b'{"tokens": [1]}\xff', "undecodable"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_every_bad_record_is_a_bad_record_of_its_kind(name):
+    value, kind = BAD[name]
+    assert kind_of(value) == kind
+
+
+def test_every_bad_kind_is_covered():
+    assert {kind for _, kind in BAD.values()} | {"too_large"} == set(BAD_KINDS)
+
+
+def test_bad_record_details_say_what_is_wrong():
+    with pytest.raises(BadRecord, match=r"^wrong_dtype: the record holds 4-byte ids, this topic's vocab \(300\) "
+                                        r"uses 2-byte ids \(uint16\)$"):
+        decode(BAD["4-byte ids on a 2-byte topic"][0])
+    with pytest.raises(BadRecord, match=r"^out_of_vocab: token ids must be in \[0, 300\), found 300$"):
+        decode(BAD["binary id out of vocab"][0])
+    with pytest.raises(BadRecord, match=r"^too_large: 20 bytes, the limit is max_record_bytes=10$"):
+        decode(b'{"tokens": [1, 2, 3]}'[:20], max_bytes=10)
+    with pytest.raises(BadRecord, match=r"^undecodable: neither a feeder record \(b'FTK1' header\) nor JSON "):
+        decode(b"hello world")
+
+
+# --------------------------------------------------------------------------- URL options
+
+def test_url_defaults():
+    u = KafkaURL.parse("kafka://h1:9092,h2:9092/topic-a")
+    assert u == KafkaURL(bootstrap="h1:9092,h2:9092", topic="topic-a")
+    assert (u.mode, u.bad_records, u.vocab_size, u.eos_id, u.max_record_bytes, u.spool, u.group, u.epoch_ttl_s) == \
+        ("bounded", "fail", 0, -1, 16 << 20, "", "", EPOCH_TTL_S)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        u.mode = "follow"
+
+
+def test_every_url_option_is_read():
+    u = KafkaURL.parse("kafka://h:1/t?mode=follow&bad_records=skip&vocab_size=50257&eos_id=50256"
+                       "&max_record_bytes=1024&spool=/tmp/sp&group=dash&epoch_ttl_s=2.5")
+    assert u == KafkaURL(bootstrap="h:1", topic="t", mode="follow", bad_records="skip", vocab_size=50257,
+                         eos_id=50256, max_record_bytes=1024, spool="/tmp/sp", group="dash", epoch_ttl_s=2.5)
+
+
+def test_command_line_vocab_applies_unless_the_url_names_one():
+    u = KafkaURL.parse("kafka://h:1/t", vocab_size=300, eos_id=7)
+    assert (u.vocab_size, u.eos_id) == (300, 7)
+    u = KafkaURL.parse("kafka://h:1/t?vocab_size=500&eos_id=1", vocab_size=300, eos_id=7)
+    assert (u.vocab_size, u.eos_id) == (500, 1)
+    assert KafkaURL.parse("kafka://h:1/t?mode=bounded&mode=follow").mode == "follow"   # the last one counts
+
+
+URL_SHAPE = "a Kafka source is kafka://HOST:PORT[,HOST:PORT]/TOPIC[?options], got "
+BAD_URLS = {
+    "http://h:1/t": URL_SHAPE + "'http://h:1/t'",
+    "kafka:///t": URL_SHAPE + "'kafka:///t'",
+    "kafka://h:1": URL_SHAPE + "'kafka://h:1'",
+    "kafka://h:1/": URL_SHAPE + "'kafka://h:1/'",
+    "kafka://h:1/a/b": URL_SHAPE + "'kafka://h:1/a/b'",
+    "kafka://h:1/t?colour=red&mode=follow": "unknown Kafka URL option(s) ['colour']; known: ['bad_records', 'eos_id', "
+                                            "'epoch_ttl_s', 'group', 'max_record_bytes', 'mode', 'spool', "
+                                            "'vocab_size']",
+    "kafka://h:1/t?mode=tail": "Kafka URL option mode must be bounded or follow, got 'tail'",
+    "kafka://h:1/t?mode=": "Kafka URL option mode must be bounded or follow, got ''",
+    "kafka://h:1/t?bad_records=drop": "Kafka URL option bad_records must be fail or skip, got 'drop'",
+    "kafka://h:1/t?vocab_size=big": "Kafka URL option vocab_size must be an integer, got 'big'",
+    "kafka://h:1/t?vocab_size=1.5": "Kafka URL option vocab_size must be an integer, got '1.5'",
+    "kafka://h:1/t?eos_id=": "Kafka URL option eos_id must be an integer, got ''",
+    "kafka://h:1/t?max_record_bytes=1e6": "Kafka URL option max_record_bytes must be an integer, got '1e6'",
+    "kafka://h:1/t?max_record_bytes=0": "max_record_bytes must be positive, got 0",
+    "kafka://h:1/t?max_record_bytes=-5": "max_record_bytes must be positive, got -5",
+    "kafka://h:1/t?epoch_ttl_s=soon": "Kafka URL option epoch_ttl_s must be a number, got 'soon'",
+    "kafka://h:1/t?epoch_ttl_s=0": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got 0.0",
+    "kafka://h:1/t?epoch_ttl_s=-1": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got -1.0",
+    "kafka://h:1/t?epoch_ttl_s=inf": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got inf",
+    "kafka://h:1/t?epoch_ttl_s=nan": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got nan",
+}
+
+
+@pytest.mark.parametrize("url", sorted(BAD_URLS))
+def test_every_bad_url_value_is_invalid_argument_with_its_message(url):
+    with pytest.raises(InvalidArgument) as e:
+        KafkaURL.parse(url)
+    assert str(e.value) == BAD_URLS[url]
+
+
+# --------------------------------------------------------------------------- epoch ranges
+
+def test_ranges_round_trip_and_bad_ranges_are_failed_precondition():
+    spans = [(0, 0, 10), (1, 5, 5), (2, 7, 1000)]
+    text = format_ranges("my.topic-1", spans)
+    assert text == "kafka:my.topic-1:0=0-10,1=5-5,2=7-1000"
+    assert parse_ranges(text) == ("my.topic-1", spans)
+    for bad in ("kafka:t", "file:t:0=0-1", "kafka:t:0=0", "kafka:t:0=a-1", "kafka:t:0=0-1,", ""):
+        with pytest.raises(FailedPrecondition, match=r"is not a Kafka epoch \(kafka:TOPIC:P=LO-HI,\.\.\.\)"):
+            parse_ranges(bad)
+
+
+# --------------------------------------------------------------------------- follow plan, no broker
+
+class ScriptedReader:
+    """The FollowReader's interface over in-memory partitions (document j of partition p at
+    offset j), interleaved round-robin and dealt k mod W as the real reader does."""
+
+    def __init__(self, parts: list[list[list[int]]], rank: int, world: int, eos: int):
+        self.docs, self.rank, self.world, self.eos = parts, rank, world, eos
+        self.parts = list(range(len(parts)))
+        self.executor, self.lag, self.bad_records, self.closed = None, {}, 0, False
+
+    def first_offsets(self) -> list[int]:
+        return [0] * len(self.parts)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def records(self, st: FollowState):
+        while st.next[st.turn] < len(self.docs[st.turn]):
+            j, before = st.turn, st.copy()
+            doc = self.docs[j][st.next[j]]
+            st.next[j], st.turn, st.k = st.next[j] + 1, (j + 1) % len(self.parts), st.k + 1
+            mine = before.k % self.world == self.rank
+            yield before, (np.array([*doc, self.eos], dtype=np.uint16) if mine else None)
+        yield None   # the tail is reached: a real reader would wait for more
+
+
+class _Src:
+    url = KafkaURL(bootstrap="h:1", topic="t", mode="follow")
+    dtype = U16
+
+
+def follow_plan(parts, rank, world, cursor=None, seq_len=5, mb=2):
+    spec = StreamSpec(job="j", rank=rank, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0)
+    reader = ScriptedReader(parts, rank, world, eos=99)
+    return FollowPlan(_Src(), spec, cursor, "fail", reader=reader), reader
+
+
+def taken(plan):
+    out = []
+    for b in plan.batches():
+        if b is None:
+            return out
+        out.append(b)
+    return out
+
+
+def test_follow_plan_packs_this_ranks_records_and_resumes_exactly_from_every_cursor():
+    rng = np.random.default_rng(3)
+    parts = [[rng.integers(0, 90, rng.integers(0, 9)).tolist() for _ in range(20)] for _ in range(3)]
+    for rank in range(2):
+        plan, reader = follow_plan(parts, rank, 2)
+        batches = taken(plan)
+        assert len(batches) >= 3
+        # What the rank reads: records k = rank, rank + 2, ... in round-robin order, each + EOS.
+        order = [parts[k % 3][k // 3] for k in range(60)]
+        stream = np.concatenate([np.array([*d, 99]) for d in order[rank::2]])
+        for n, b in enumerate(batches):
+            assert b.step == n and b.cursor.step == n + 1
+            for row, sample_id in zip(b.tokens, b.ids.tolist()):
+                i = sample_id // 2
+                assert sample_id % 2 == rank
+                assert row.tolist() == stream[i * 5:i * 5 + 6].tolist()
+        for n, b in enumerate(batches):
+            again, _ = follow_plan(parts, rank, 2, cursor=b.cursor)
+            assert again.start.step == n + 1
+            rest = taken(again)
+            assert [r.tokens.tolist() for r in rest] == [r.tokens.tolist() for r in batches[n + 1:]]
+            assert [r.cursor for r in rest] == [r.cursor for r in batches[n + 1:]]
+        plan.close()
+        assert reader.closed
+
+
+def test_follow_plan_refuses_a_cursor_of_another_stream():
+    parts = [[[1, 2, 3]] * 10, [[4, 5]] * 10]
+    plan, _ = follow_plan(parts, 0, 1)
+    cursor = taken(plan)[0].cursor
+    with pytest.raises(FailedPrecondition, match="cursor does not fit this stream: world_size differs: the cursor "
+                                                 "has 1, the request has 2"):
+        follow_plan(parts, 0, 2, cursor=cursor)
+    with pytest.raises(FailedPrecondition, match="topic t had 2 partitions when this cursor was made and has 3 now"):
+        follow_plan([*parts, [[6]]], 0, 1, cursor=cursor)
+    with pytest.raises(FailedPrecondition, match="dataset fingerprint differs"):
+        follow_plan(parts, 0, 1, cursor=dataclasses.replace(cursor, fingerprint="kafka-follow:other"))
+    assert json.loads(cursor.src)["P"] == 2

@@ -27,6 +27,12 @@ class FeederDataset(IterableDataset):
     (the constructor's, or `load_state_dict`'s): a worker cannot know which of its prefetched
     batches the main process took. To continue after a pass with workers, load the cursor of
     the last batch the loop took (`batch.cursor`).
+
+    targets: "HOST:PORT", a list of them (preference order, or nearest first with
+    prefer="rtt"), or {region: HOST:PORT}. The sampling arguments (job .. num_epochs, reshard,
+    dataset, bad_records) make the StreamSpec, those after it the ClientConfig (see both for
+    their meaning); tls_*/token/token_file make its ClientSecurity. Invalid values raise
+    FeederError (INVALID_ARGUMENT) here, in the main process, not in a worker.
     """
 
     def __init__(self, targets: Sequence[str] | Mapping[str, str] | str, job: str, rank: int, world_size: int, seq_len: int,
@@ -70,6 +76,7 @@ class FeederDataset(IterableDataset):
         weakref.finalize(self, _remove_anchor, self._anchor, os.getpid())
 
     def __iter__(self) -> Iterator[FeederBatch]:
+        """One pass: a FeederClient of its own (a DataLoader worker's: its share of the batches)."""
         info = get_worker_info()
         spec = self.spec
         if info is not None and info.num_workers > 1:
@@ -95,9 +102,11 @@ class FeederDataset(IterableDataset):
 
     # torchdata's convention: the state is the cursor after the last batch yielded.
     def state_dict(self) -> dict:
+        """{"version": 1, "job", "rank", "cursor"}: pass to load_state_dict to resume."""
         return {"version": 1, "job": self.spec.job, "rank": self.spec.rank, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume the next pass after the batch that carried state["cursor"]; ValueError on another version."""
         if state.get("version") != 1:
             raise ValueError(f"FeederDataset state version {state.get('version')!r} is not supported, expected 1")
         self.cursor = state["cursor"]
@@ -117,10 +126,12 @@ class FeederDataset(IterableDataset):
 
     @property
     def data_wait_s(self) -> float:
+        """Seconds the loop has waited for batches in this pass (0 before the first)."""
         return self.client.wait_s if self.client is not None else 0.0
 
     @property
     def region(self) -> str:
+        """The region feeding this pass now ("" before the first batch)."""
         return self.client.region if self.client is not None else ""
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -19,6 +20,7 @@ from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.siblings import Siblings
 from feeder.sources import TokenSource
+from feeder.process_status import JobStatus, ProcessStatus, RankStatus
 
 log = logging.getLogger("feeder.engine")
 
@@ -43,6 +45,27 @@ class Engine:
         if src is None:
             raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})", elsewhere=True)
         return src
+
+    def compression(self, requested: str, level: int, rtt_us: int) -> tuple[str, int]:
+        """The compression and level a rank gets: what it asked for ("none", "zstd"; level 0 for
+        the default), or, when it leaves that to us (""), the feeder's default, except that a
+        remote rank (its measured RTT at least remote_rtt_ms) always gets zstd: over a long link
+        bytes cost more than the CPU to shrink them."""
+        remote = rtt_us > 0 and rtt_us >= self.cfg.remote_rtt_ms * 1000
+        chosen = requested or ("zstd" if remote else self.cfg.default_compression)
+        return chosen, level or self.cfg.default_level
+
+    def status(self, job: str = "") -> ProcessStatus:
+        """This process's jobs and ranks: one job (NotFound if unknown), or all. Call it on the event loop."""
+        jobs = [self.jobs.get(job)] if job else list(self.jobs.jobs.values())
+        region = self.cfg.region
+        return ProcessStatus(
+            region=region, uptime_s=time.monotonic() - self.started, streams_open=self.jobs.streams_open,
+            rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
+            jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
+                                 ranks=tuple(_rank_status(r, region)
+                                             for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
+                       for j in jobs))
 
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
                           failover: bool = False) -> RankStream:
@@ -139,3 +162,13 @@ class Engine:
                 src.close()
         if self.ledger:
             self.ledger.close()
+
+
+def _rank_status(r, region: str) -> RankStatus:
+    epoch, done = r.position
+    return RankStatus(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
+                      samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent, bytes_sent=r.bytes_sent,
+                      tokens_per_s=r.tokens_per_s, queue_depth=r.queue_depth, data_wait_fraction=r.data_wait_fraction,
+                      last_error=r.last_error, peer=r.peer, restarts=max(0, r.streams_opened - 1),
+                      failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
+                      state=r.state)

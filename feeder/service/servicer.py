@@ -1,73 +1,34 @@
-"""Thin servicer: proto -> StreamSpec, domain -> proto, FeederError -> status code."""
+"""Thin servicer: each handler converts the request (feeder.service.convert), asks the Engine,
+and converts the answer back; a FeederError becomes its status code in convert.abort."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
 import logging
-import threading
-import time
 
-import google_crc32c
 import grpc
-from google.protobuf.message import DecodeError
 
-from feeder.config import StreamSpec
 from feeder.engine import Engine
-from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError, InvalidArgument
-from feeder.pipeline.batcher import Block
+from feeder.errors import COMPLETE, END, FeederError
 from feeder.pipeline.stream import unknown_job
+from feeder.service import convert
+from feeder.service.convert import SERVICE, spec_from_request
+from feeder.service.convert import STATUS  # noqa: F401  (server.py hands it to the AuthInterceptor from here)
 from feeder.siblings import merge
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("feeder.service")
-SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name
-
-STATUS = {
-    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Code.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
-    Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    Code.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-COMPRESSION_NAME = {pb.COMPRESSION_NONE: "none", pb.COMPRESSION_ZSTD: "zstd"}
-COMPRESSION_ENUM = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
-DTYPE_ENUM = {"uint16": pb.DTYPE_UINT16, "uint32": pb.DTYPE_UINT32}
 
 
-# gRPC sends a status message as a percent-encoded header, and a peer drops headers past its
-# metadata limit (8 KiB soft, 16 KiB hard by default): the caller then sees RESOURCE_EXHAUSTED
-# instead of the refusal. Every message is cut to this many bytes as sent.
-MAX_STATUS_MESSAGE = 2048
-
-
-def capped(message: str, limit: int = MAX_STATUS_MESSAGE) -> str:
-    """message, cut so that its percent-encoded form (grpc-message) fits in `limit` bytes."""
-    def sent(ch: str) -> int:  # bytes on the wire: printable ASCII but % as is, the rest %XX per UTF-8 byte
-        return 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "surrogatepass"))
-
-    if len(message) <= limit and sum(map(sent, message)) <= limit:
-        return message
-    tail = f"... ({len(message):,} characters in all)"
-    budget, used, cut = limit - len(tail), 0, 0
-    for cut, ch in enumerate(message):
-        used += sent(ch)
-        if used > budget:
-            break
-    return message[:cut] + tail
+def status_reply(e: Engine, job: str = "") -> pb.StatusReply:
+    """This process's jobs and ranks as a StatusReply: one job (NOT_FOUND if unknown), or all."""
+    return convert.status_reply(e.status(job))
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: Exception):
-    if isinstance(err, FeederError):
-        await context.abort(STATUS[err.code], capped(err.message),
-                            trailing_metadata=((ELSEWHERE, "1"),) if err.elsewhere else ())
-    log.exception("internal error", exc_info=err)
-    await context.abort(grpc.StatusCode.INTERNAL, capped(f"internal error: {err.__class__.__name__}: {err}"))
+    await convert.abort(context, err, log)
 
 
 def unary(fn):
@@ -78,76 +39,6 @@ def unary(fn):
         except (FeederError, ValueError, TypeError) as e:
             await _abort(context, e)
     return wrapper
-
-
-def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
-    cfg = engine.cfg
-    if r.compression not in (pb.COMPRESSION_UNSPECIFIED, *COMPRESSION_NAME):
-        raise FeederError(f"compression must be NONE or ZSTD, got enum value {r.compression}",
-                          code=Code.INVALID_ARGUMENT)
-    # A rank that leaves compression to us gets the feeder's default, except that a remote
-    # one (its measured RTT at least remote_rtt_ms) always gets zstd: over a long link bytes
-    # cost more than the CPU to shrink them.
-    remote = r.rtt_us > 0 and r.rtt_us >= cfg.remote_rtt_ms * 1000
-    compression = COMPRESSION_NAME.get(r.compression, "zstd" if remote else cfg.default_compression)
-    level = r.compression_level if r.compression_level else cfg.default_level
-    return StreamSpec(job=r.job, rank=r.rank, world_size=r.world_size, seq_len=r.seq_len,
-                      micro_batch=r.micro_batch, seed=r.seed, shuffle=r.shuffle, drop_last=r.drop_last,
-                      epoch=r.epoch, num_epochs=r.num_epochs, compression=compression, compression_level=level,
-                      worker_index=r.worker_index, num_workers=max(1, r.num_workers),
-                      worker_phase=r.worker_phase, reshard=r.reshard,
-                      expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records)
-
-
-def to_proto(block: Block, region: str) -> pb.StreamReply:
-    """The protobuf object of a reply (the stream itself sends wire.encode_reply's bytes)."""
-    bounds, tokens, out = block.bounds(), block.token_array(), []
-    for j in range(len(block)):
-        a, b = bounds[j], bounds[j + 1]
-        raw = tokens[a:b].tobytes()
-        out.append(pb.Batch(epoch=int(block.epochs[j]), step=int(block.steps[j]), n=b - a, sample_len=block.sample_len,
-                            dtype=DTYPE_ENUM[block.dtype], compression=COMPRESSION_ENUM[block.compression],
-                            tokens=raw if block.payloads is None else block.payloads[j],
-                            sample_ids=block.ids[a:b].astype("<i8").tobytes(), cursor=block.cursors[j],
-                            raw_size=len(raw), crc32c=google_crc32c.value(raw)))
-    return pb.StreamReply(batches=out, region=region)
-
-
-def status_reply(e: Engine, job: str = "") -> pb.StatusReply:
-    """This process's jobs and ranks: one job (NOT_FOUND if unknown), or all."""
-    jobs = [e.jobs.get(job)] if job else list(e.jobs.jobs.values())
-    reply = pb.StatusReply(region=e.cfg.region, uptime_s=time.monotonic() - e.started,
-                           streams_open=e.jobs.streams_open, rss_mb=e.rss_mb(),
-                           tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1)
-    for j in jobs:
-        js = reply.jobs.add(job=j.job, dataset=j.dataset or e.default, world_size=j.world_size)
-        for r in sorted(j.ranks.values(), key=lambda r: r.rank):
-            epoch, done = r.position
-            js.ranks.add(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
-                         samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent,
-                         bytes_sent=r.bytes_sent, tokens_per_s=r.tokens_per_s,
-                         queue_depth=r.queue_depth,
-                         data_wait_fraction=r.data_wait_fraction, last_error=r.last_error, peer=r.peer,
-                         restarts=max(0, r.streams_opened - 1), failovers=r.failovers,
-                         tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=e.cfg.region,
-                         state=r.state)
-    return reply
-
-
-def _parser(message_type):
-    """A request deserializer that never raises. gRPC answers UNKNOWN when a deserializer
-    raises, and a caller that sent bytes which are not the request deserves INVALID_ARGUMENT;
-    so a malformed request arrives at the handler as the InvalidArgument to answer with (the
-    AuthInterceptor lets it through to here once the token is checked: it names no job)."""
-    name = message_type.DESCRIPTOR.full_name
-
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except DecodeError as e:
-            return InvalidArgument(f"the request is not a valid {name}: its {len(data)} bytes do not parse "
-                                   f"as that protobuf message ({str(e).rpartition(': ')[2]})")
-    return parse
 
 
 def _refusing_malformed(behavior, streaming: bool):
@@ -171,20 +62,17 @@ def _refusing_malformed(behavior, streaming: bool):
 def add_to_server(servicer: "FeederServicer", server) -> None:
     """Like the generated add_FeederServicer_to_server, except that Stream's replies arrive
     already serialized (bytes, built off the event loop) and go to gRPC as they are, and that
-    a request which does not parse is refused with INVALID_ARGUMENT (see _parser)."""
+    a request which does not parse is refused with INVALID_ARGUMENT (see convert.parser)."""
+    def handler(kind, name: str, request, reply):
+        return kind(_refusing_malformed(getattr(servicer, name), streaming=reply is None),
+                    request_deserializer=convert.parser(request),
+                    response_serializer=None if reply is None else reply.SerializeToString)
+
     handlers = {
-        "Stream": grpc.unary_stream_rpc_method_handler(
-            _refusing_malformed(servicer.Stream, streaming=True), request_deserializer=_parser(pb.StreamRequest),
-            response_serializer=None),
-        "Info": grpc.unary_unary_rpc_method_handler(
-            _refusing_malformed(servicer.Info, streaming=False), request_deserializer=_parser(pb.InfoRequest),
-            response_serializer=pb.InfoReply.SerializeToString),
-        "Status": grpc.unary_unary_rpc_method_handler(
-            _refusing_malformed(servicer.Status, streaming=False), request_deserializer=_parser(pb.StatusRequest),
-            response_serializer=pb.StatusReply.SerializeToString),
-        "Report": grpc.unary_unary_rpc_method_handler(
-            _refusing_malformed(servicer.Report, streaming=False), request_deserializer=_parser(pb.ReportRequest),
-            response_serializer=pb.ReportReply.SerializeToString),
+        "Stream": handler(grpc.unary_stream_rpc_method_handler, "Stream", pb.StreamRequest, None),
+        "Info": handler(grpc.unary_unary_rpc_method_handler, "Info", pb.InfoRequest, pb.InfoReply),
+        "Status": handler(grpc.unary_unary_rpc_method_handler, "Status", pb.StatusRequest, pb.StatusReply),
+        "Report": handler(grpc.unary_unary_rpc_method_handler, "Report", pb.ReportRequest, pb.ReportReply),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
@@ -225,13 +113,9 @@ class FeederServicer(pb_grpc.FeederServicer):
 
     @unary
     async def Info(self, request, context):
-        e = self.engine
-        src = e.source(request.dataset)
+        src = self.engine.source(request.dataset)
         fingerprint = await asyncio.to_thread(lambda: src.fingerprint)  # Kafka asks the broker
-        return pb.InfoReply(fingerprint=fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
-                            vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],
-                            region=e.cfg.region, version=e.version, datasets=sorted(e.sources),
-                            peers=dict(e.cfg.peers))
+        return convert.info_reply(self.engine, src, fingerprint)
 
     @unary
     async def Status(self, request, context):

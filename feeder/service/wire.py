@@ -13,7 +13,7 @@ import google_crc32c
 import numpy as np
 
 from feeder.pipeline.batcher import Block
-from feeder.service.servicer import COMPRESSION_ENUM, DTYPE_ENUM
+from feeder.service.convert import COMPRESSION_ENUM, DTYPE_ENUM
 
 try:
     from feeder._native import frame as _frame

@@ -1,0 +1,64 @@
+"""ClientConfig: what one rank's FeederClient streams, from where, and how it rides out failures."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from feeder.config import StreamSpec
+from feeder.errors import Code, FeederError
+from feeder.security import ClientSecurity
+
+PLAIN = ClientSecurity()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    """One rank's stream: its StreamSpec, the feeders that may serve it, and the transport knobs.
+
+    targets: HOST:PORT of every feeder (regions) that may serve the rank, tried nearest first
+    (prefer="rtt") or in the order given (prefer="order"). cursor: resume right after the batch
+    that carried it (None: from the spec's start). Invalid values raise FeederError
+    (INVALID_ARGUMENT) here, not later in the stream thread."""
+
+    targets: tuple[str, ...]
+    spec: StreamSpec
+    cursor: bytes | None = None
+    read_ahead: int = 8               # batches decoded ahead of the consumer
+    idle_timeout_s: float = 30.0      # a feeder silent this long while we wait is abandoned
+    keepalive_s: float = 10.0         # HTTP/2 pings detect a dead link within keepalive + timeout
+    keepalive_timeout_s: float = 5.0
+    retry_for_s: float = 300.0        # give up after failing this long without a batch
+    report_every_s: float = 5.0
+    # After a failover, look this often for a more preferred feeder that answers again, and
+    # move back to it (resuming from the cursor): a rank does not stay on a far region for
+    # weeks because its own region once restarted. 0: never.
+    failback_s: float = 60.0
+    security: ClientSecurity = PLAIN  # TLS, client certificate, bearer token
+    regions: tuple[str, ...] = ()     # names of targets, in the same order (for logs; the feeder says too)
+    prefer: str = "rtt"               # "rtt": nearest first (measured); "order": as given
+    # Read-ahead grows past read_ahead to cover the round trip at the rate the loop takes batches,
+    # so a far region keeps the loop fed; at most this many batches.
+    max_read_ahead: int = 64
+    # Decode tokens straight into page-locked memory, so `.to("cuda", non_blocking=True)` is a
+    # true asynchronous copy. None: when CUDA is available (never in a DataLoader worker).
+    pin_memory: bool | None = None
+    # Let this process's malloc reuse freed multi-MiB buffers (feeder.malloc): gRPC's receive
+    # buffers and messages otherwise come from fresh pages, faulted in one by one (~30 % of
+    # the client's CPU per byte). Process-wide; False leaves malloc as it is.
+    keep_freed_memory: bool = True
+
+    def __post_init__(self):
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise FeederError(f"targets must be a non-empty list of HOST:PORT strings, got {self.targets!r}",
+                              code=Code.INVALID_ARGUMENT)
+        if self.read_ahead < 1:
+            raise FeederError(f"read_ahead must be >= 1, got {self.read_ahead}", code=Code.INVALID_ARGUMENT)
+        if self.prefer not in ("rtt", "order"):
+            raise FeederError(f"prefer must be 'rtt' or 'order', got {self.prefer!r}", code=Code.INVALID_ARGUMENT)
+        if self.regions and len(self.regions) != len(self.targets):
+            raise FeederError(f"regions names {len(self.regions)} targets but there are {len(self.targets)}",
+                              code=Code.INVALID_ARGUMENT)
+        if self.pin_memory and not torch.cuda.is_available():
+            raise FeederError("pin_memory=True needs CUDA, and torch finds no GPU here; leave it unset "
+                              "(None) to pin only where there is one", code=Code.INVALID_ARGUMENT)

@@ -1,0 +1,169 @@
+"""Target choice, failover, failback and backoff: pure code, no gRPC, no threads, no clock of its own.
+
+The stream thread tells the Policy what happened (a batch arrived, the stream ended complete,
+a break, a refusal with `feeder-elsewhere`, an error status, a failback probe's answer) with
+the time, and the Policy says what to do next: open `Retry.target` after `Retry.wait_s`,
+`Finish`, or `GiveUp(error)`. tests/test_failover_policy.py drives it without a server.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from feeder.errors import Code, FeederError, Unavailable
+
+# Failures another feeder (or the same one, later) can cover, by gRPC status name; anything
+# else is the caller's mistake or corrupt data, and is raised.
+RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED", "INTERNAL", "UNKNOWN",
+                       "RESOURCE_EXHAUSTED"})
+
+
+def code_of(status_name: str) -> Code:
+    """The domain Code of a gRPC status name (INTERNAL for those with none, e.g. UNKNOWN)."""
+    return Code.__members__.get(status_name, Code.INTERNAL)
+
+
+def rtt_step(rtt_s: float) -> float:
+    """RTT in steps of 1.5x above 2 ms (inf stays inf): the key that orders targets."""
+    if rtt_s == float("inf"):
+        return rtt_s
+    return math.floor(math.log(max(rtt_s, 2e-3) / 2e-3, 1.5))
+
+
+def order_targets(targets: list[str], rtt_s: dict[str, float], prefer: str) -> list[str]:
+    """Targets in the order to try them. "rtt": a stable sort on rtt_step, so feeders of one
+    datacenter (or about equally far) keep the order given, a clearly nearer region goes first,
+    and unreachable ones go last. "order": as given."""
+    return sorted(targets, key=lambda t: rtt_step(rtt_s[t])) if prefer == "rtt" else list(targets)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Open a stream on `target` (from the last cursor), after waiting `wait_s` seconds."""
+    target: str
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The stream ran to its end: the consumer gets StopIteration."""
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """No target can serve the rank: the consumer gets `error`."""
+    error: FeederError
+
+
+class Policy:
+    """Which target a rank streams from, and what to do when its stream ends.
+
+    `targets` is the preference order (nearest first). `index` counts up through it, wrapping
+    around; a target that refused the rank with `feeder-elsewhere` is skipped from then on,
+    and the first refusal is raised once every target has refused. Breaks (a lost connection,
+    an idle timeout, an OK end without the end marker, a corrupt batch) move to the next
+    target; after a whole round of breaks without a batch it backs off (50 ms doubling, at
+    most 2 s), and after `retry_for_s` of failing without a batch it gives up."""
+
+    def __init__(self, targets: list[str], retry_for_s: float, failback_s: float = 0.0, now: float = 0.0,
+                 rank: int = 0):
+        self.targets = targets
+        self.rank = rank
+        self.retry_for_s = retry_for_s
+        self.failback_s = failback_s
+        self.index = 0
+        self.refused: dict[str, FeederError] = {}
+        self.failing_since: float | None = None   # first break since the last batch
+        self.attempt = 0                           # breaks since the last batch
+        self.after_break = False                   # the next stream is opened after a break (a failover)
+        self.failovers = 0
+        self.failbacks = 0
+        self.failback: int | None = None           # index of the nearer target to move back to
+        self.failback_checked = now
+
+    @property
+    def target(self) -> str:
+        return self.targets[self.index % len(self.targets)]
+
+    def batch_received(self) -> None:
+        """A stream delivered a batch: the failures before it are forgotten."""
+        self.failing_since, self.attempt, self.after_break = None, 0, False
+
+    def stream_complete(self) -> Finish:
+        return Finish()
+
+    def failback_ended(self) -> Retry:
+        """The stream was ended by us (failback_probe_answered) to move back to a nearer target."""
+        self.index, self.failback = self.failback, None
+        self.failbacks += 1
+        return Retry(self.target)
+
+    def _refused_here(self, message: str, code: Code) -> Retry | GiveUp:
+        # This feeder cannot serve us (another replica, dataset not here); others may: the
+        # next one that has not refused, at once.
+        self.refused.setdefault(self.target, FeederError(message, code=code))
+        if len(self.refused) == len(set(self.targets)):
+            return GiveUp(next(iter(self.refused.values())))
+        self._skip_refused()
+        return Retry(self.target)
+
+    def error(self, status_name: str, message: str, why: str, now: float, elsewhere: bool = False) -> Retry | GiveUp:
+        """The stream ended with a gRPC error status (its name, e.g. "UNAVAILABLE").
+
+        In this order: ended by us to fail back -> move back; `elsewhere` (the status carried
+        `feeder-elsewhere`, any code) -> a refusal, skip this target; a status not in RETRYABLE
+        -> GiveUp(FeederError(message)); else a break (`why` says what broke, for the log)."""
+        if self.failback is not None:
+            return self.failback_ended()
+        if elsewhere:
+            return self._refused_here(message, code_of(status_name))
+        if status_name not in RETRYABLE:
+            return GiveUp(FeederError(message, code=code_of(status_name)))
+        return self.broke(why, now)
+
+    def corrupt(self, err: FeederError, why: str, now: float) -> Retry | GiveUp:
+        """A batch failed to decode: DATA_LOSS is never served, another feeder may have good data."""
+        if err.code != Code.DATA_LOSS:
+            return GiveUp(err)
+        return self.broke(why, now)
+
+    def broke(self, why: str, now: float) -> Retry | GiveUp:
+        """The stream broke (`why` names the target and the cause): resume on the next target."""
+        self.failing_since = self.failing_since or now
+        if now - self.failing_since > self.retry_for_s:
+            return GiveUp(Unavailable(f"no feeder could serve rank {self.rank} for {self.retry_for_s:.0f}s; "
+                                      f"last error: {why}"))
+        self.index += 1
+        self._skip_refused()
+        self.failovers += 1
+        self.after_break = True
+        self.attempt += 1
+        wait = 0.0
+        if self.attempt >= len(self.targets):  # a whole round failed: back off before the next
+            wait = min(2.0, 0.05 * 2 ** min(self.attempt - len(self.targets), 6))
+        return Retry(self.target, wait)
+
+    def _skip_refused(self) -> None:
+        """Move to the next target that has not refused this rank (there is one)."""
+        for _ in range(len(self.targets)):
+            if self.target not in self.refused:
+                return
+            self.index += 1
+
+    def failback_due(self, now: float) -> list[int]:
+        """Indices of the more preferred targets to probe now (none unless failback_s has
+        passed since the last probe and the rank is on a less preferred target), nearest first."""
+        current = self.index % len(self.targets)
+        if not self.failback_s or self.failback is not None or current == 0 \
+                or now - self.failback_checked < self.failback_s:
+            return []
+        self.failback_checked = now
+        return [i for i in range(current) if self.targets[i] not in self.refused]
+
+    def failback_probe_answered(self, i: int, current: int) -> bool:
+        """Target i answered its probe, begun while on `current`. True: end the current stream
+        (the caller cancels it) and move back to i; False: the rank moved meanwhile."""
+        if self.index % len(self.targets) != current:
+            return False
+        self.failback = i
+        return True

@@ -32,9 +32,9 @@ def _flip_token_byte(path):
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
-    """~6 M tokens: one rank's stream is far larger than what HTTP/2 flow control lets into the
+    """~12 M tokens: one rank's stream is far larger than what HTTP/2 flow control lets into the
     client's buffers, so most of it is still in the feeder's queue when the feeder is stopped."""
-    docs = make_docs(24000, seed=5, max_words=90)
+    docs = make_docs(48000, seed=5, max_words=90)
     return prep_docs(tmp_path_factory.mktemp("big"), docs), byte_stream(docs)
 
 

@@ -9,6 +9,7 @@ for "go": the fault lands between two batches the rank has consumed, at a known 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 
 import torch  # noqa: F401  (preloaded by the forkserver: ranks and their workers fork with it)
 from torch.utils.data import DataLoader
@@ -29,15 +31,22 @@ def token_hash(tokens_int64: bytes) -> str:
     return hashlib.blake2b(tokens_int64, digest_size=8).hexdigest()
 
 
+def _log_to(path: str, *_worker_id) -> None:
+    """The client's log lines (failovers) into the rank's log file, from workers too; not on
+    the runner's stderr."""
+    logging.basicConfig(filename=path, level=logging.INFO, force=True,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+
+
 def rank_main(cfg: dict, conn) -> None:
     """cfg: plain values only (see runner.RankPlan.config). Exit 0: the stream ended or the
     rank took what it was asked to; 3: a FeederError (its code is in the last line); 4: a bug."""
     # A process group of its own: the runner ends the rank with its DataLoader workers (and
     # their forkserver), which a SIGKILL of the rank alone would leave running.
     os.setpgrp()
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")   # more workers than cores: meant
     out = open(cfg["out"], "w", buffering=1)
-    logging.basicConfig(filename=cfg["out"] + ".log", level=logging.INFO,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    _log_to(cfg["out"] + ".log")
     pos = cfg["start_pos"]
     try:
         ds = FeederDataset(cfg["targets"], job=cfg["job"], rank=cfg["rank"], world_size=cfg["world"],
@@ -45,13 +54,15 @@ def rank_main(cfg: dict, conn) -> None:
                            shuffle=cfg["shuffle"], drop_last=cfg["drop_last"], epoch=cfg["epoch"],
                            num_epochs=cfg["num_epochs"],
                            cursor=bytes.fromhex(cfg["cursor"]) if cfg["cursor"] else None, reshard=cfg["reshard"],
+                           compression=cfg["compression"],
                            read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=1.0,
                            retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
                            report_every_s=1.0, pin_memory=False)
         workers = cfg["workers"]
         loader = DataLoader(ds, batch_size=None, num_workers=workers,
                             persistent_workers=cfg["persistent"] and workers > 0,
-                            multiprocessing_context=mp.get_context(cfg["context"]) if workers else None)
+                            multiprocessing_context=mp.get_context(cfg["context"]) if workers else None,
+                            worker_init_fn=functools.partial(_log_to, cfg["out"] + ".log") if workers else None)
         pauses, repasses = set(cfg["pauses"]), set(cfg["repasses"])
         stop_at = cfg["stop_at"]     # 0: until the stream ends
         step_s = cfg["step_ms"] / 1000

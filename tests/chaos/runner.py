@@ -367,7 +367,7 @@ class ScenarioRun:
         cfg = dict(out=str(inc.out), start_pos=start_pos, targets=targets, job=sc.job, rank=slot, world=world,
                    seq_len=sc.seq_len, micro_batch=sc.micro_batch, seed=sc.data_seed, shuffle=sc.shuffle,
                    drop_last=sc.drop_last, epoch=sc.start_epoch, num_epochs=sc.num_epochs, cursor=cursor,
-                   reshard=reshard, read_ahead=sc.read_ahead, retry_for_s=RANK_RETRY_FOR_S,
+                   reshard=reshard, read_ahead=sc.read_ahead, compression=sc.compression, retry_for_s=RANK_RETRY_FOR_S,
                    failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every)
         from tests.chaos.rank import rank_main
@@ -410,8 +410,14 @@ class ScenarioRun:
         elif f.kind in ("reset", "blackhole"):
             link = self.links[t]
             link.reset() if f.kind == "reset" else link.blackhole()
-            self.after(f.heal_ms / 1000, link.clear)
+            self.after(f.heal_ms / 1000, self.unclog, link)
         self.injected[f.kind] += 1
+
+    def unclog(self, link) -> None:
+        """The link as the scenario has it: no toxic but its bandwidth."""
+        link.clear()
+        if self.sc.link_kbps:
+            link.bandwidth(self.sc.link_kbps)
 
     def restart_feeder(self, t: int) -> None:
         fd = self.feeders[t]
@@ -438,6 +444,8 @@ class ScenarioRun:
         for i, f in fire:
             self.done_faults.add(i)
             if f.kind in FEEDER_FAULTS:
+                if f.hold_ms:   # the rank idles: its window and the feeder's queue fill up first
+                    time.sleep(f.hold_ms / 1000)
                 self.inject_feeder(f)
             elif f.kind == "restart":
                 self.injected["restart"] += 1
@@ -552,8 +560,10 @@ class ScenarioRun:
                 self.injected["corrupt"] += 1
             self.feeders.append(Feeder(src, args, self.dir / f"ledger-{t}.jsonl", self.dir / f"feeder-{t}.log",
                                        sc.processes))
-        if any(f.kind in ("reset", "blackhole") for f in sc.faults):
+        if sc.link_kbps or any(f.kind in ("reset", "blackhole") for f in sc.faults):
             self.links = [proxies().proxy(fd.address) for fd in self.feeders]
+            for link in self.links:
+                self.unclog(link)
 
     def ledgers(self) -> list[str]:
         out = []

@@ -23,12 +23,13 @@ class Fault:
     rank: int = 0            # the trigger rank (and the victim of rank faults)
     target: int = 0          # the feeder (index) a feeder fault hits
     heal_ms: int = 0         # restart / SIGCONT / clear this long after injecting
+    hold_ms: int = 0         # keep the trigger rank paused this long before injecting (the pipeline fills up)
     detail: str = ""         # disagree: which parameter; reshard: the new world size
 
     def describe(self) -> str:
         when = f"@b{self.at_batch}" if self.at_batch else f"@{self.at_ms}ms"
         where = f"f{self.target}" if self.kind in FEEDER_FAULTS else f"r{self.rank}"
-        extra = f"+{self.heal_ms}ms" if self.heal_ms else ""
+        extra = (f"~{self.hold_ms}ms" if self.hold_ms else "") + (f"+{self.heal_ms}ms" if self.heal_ms else "")
         return f"{self.kind}({where}{when}{extra}{':' + self.detail if self.detail else ''})"
 
 
@@ -48,6 +49,8 @@ class Scenario:
     shuffle: bool
     drop_last: bool
     data_seed: int
+    compression: str         # what the ranks ask for ("": the feeder decides)
+    link_kbps: int           # every rank-feeder link through a proxy this slow (0: direct unless a fault needs one)
     message_bytes: int
     prefetch_messages: int
     read_ahead: int
@@ -68,7 +71,7 @@ class Scenario:
         ep = f"epochs={self.num_epochs}" if self.num_epochs else f"unbounded take={self.take}"
         return (f"seed={self.seed} docs={self.n_docs} seq={self.seq_len} mb={self.micro_batch} world={self.world} "
                 f"{wk} {ep} from_epoch={self.start_epoch} shuffle={int(self.shuffle)} drop_last={int(self.drop_last)} "
-                f"msg={self.message_bytes} prefetch={self.prefetch_messages} ra={self.read_ahead} "
+                f"comp={self.compression or 'default'} link={self.link_kbps or '-'} msg={self.message_bytes} prefetch={self.prefetch_messages} ra={self.read_ahead} "
                 f"targets={self.targets}x{self.processes}p{' spread' if self.spread else ''} "
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]")
@@ -88,21 +91,34 @@ class Scenario:
         seq_len = rng.choice((8, 16, 24, 32))
         mb = rng.choice((1, 2, 3, 4, 8))
         num_epochs = rng.choice((0, 1, 1, 2, 3))
+        large = rng.random() < 0.12
+        if large:
+            # Megabytes per rank: more than the client's HTTP/2 window (~5 MiB on loopback), so
+            # the rest of a finite stream waits in the feeder's queue (what a SIGTERM then meets).
+            n_docs, seq_len, mb, num_epochs = 40000, 256, 8, 1
+            world, workers = rng.choice((1, 1, 2)), rng.choice((0, 0, 1))
         s = dict(seed=seed, n_docs=n_docs, seq_len=seq_len, micro_batch=mb, world=world, workers=workers,
                  persistent=workers > 0 and rng.random() < 0.5,
                  context=rng.choice(("spawn", "forkserver")) if workers else "",
                  num_epochs=num_epochs, take=rng.randint(20, 200) if num_epochs == 0 else 0,
                  start_epoch=rng.choice((0, 0, 0, 1, 2)), shuffle=rng.random() < 0.8, drop_last=rng.random() < 0.4,
                  data_seed=rng.randint(0, 1000),
-                 message_bytes=rng.choice((256, 2048, 16384, 1 << 20)),
-                 prefetch_messages=rng.choice((1, 2, 8)), read_ahead=rng.choice((1, 2, 8)),
+                 compression="none" if large else rng.choice(("", "", "none", "zstd")),
+                 # A slow link keeps a small stream in flight for seconds: on loopback the client's
+                 # HTTP/2 window (~5 MiB) would take a whole small epoch at once, and a fault
+                 # would meet a stream that has nothing left to lose.
+                 link_kbps=0 if large else rng.choice((0, 16, 32, 64)),
+                 message_bytes=1 << 20 if large else rng.choice((256, 2048, 16384, 1 << 20)),
+                 prefetch_messages=8 if large else rng.choice((1, 2, 8)), read_ahead=rng.choice((1, 2, 8)),
                  targets=targets, processes=2 if rng.random() < 0.15 else 1,
                  spread=targets > 1 and rng.random() < 0.5, failback_s=rng.choice((0.0, 0.0, 1.0)),
-                 step_ms=rng.choice((0, 1, 2, 5)), ckpt_every=rng.choice((1, 3, 7)))
+                 step_ms=0 if large else rng.choice((0, 1, 2, 5)), ckpt_every=rng.choice((1, 3, 7)))
         # Batches per rank and pass, roughly (the exact count needs the corpus): for the moments.
         est_tokens = n_docs * 115
         per_epoch = max(1, est_tokens // seq_len // world // mb)
-        horizon = max(2, per_epoch * num_epochs if num_epochs else s["take"])
+        horizon = max(2, per_epoch * s["num_epochs"] if s["num_epochs"] else s["take"])
+        if large:
+            horizon = max(2, horizon // 4)   # early, while most of the stream is still ahead
         pool = list(kinds if kinds is not None else FAULT_KINDS)
         faults: list[Fault] = []
         n_faults = rng.choice((1, 1, 2, 2, 3))
@@ -120,8 +136,12 @@ class Scenario:
             at_ms = 0
             if kind in FEEDER_FAULTS and rng.random() < 0.3:
                 at_batch, at_ms = 0, rng.randint(0, 1500)
-            f = Fault(kind=kind, at_batch=at_batch, at_ms=at_ms, rank=rng.randrange(world),
-                      target=rng.randrange(targets),
+            rank = rng.randrange(s["world"])
+            # Mostly the feeder the trigger rank streams from (it prefers that one), else any.
+            home = rank % targets if s["spread"] else 0
+            f = Fault(kind=kind, at_batch=at_batch, at_ms=at_ms, rank=rank,
+                      hold_ms=rng.choice((0, 0, 300, 1000)) if kind in FEEDER_FAULTS and at_batch else 0,
+                      target=home if rng.random() < 0.7 else rng.randrange(targets),
                       heal_ms={"sigkill": rng.choice((0, 300, 1500)), "sigterm": rng.choice((0, 300, 1500)),
                                "sigstop": rng.choice((500, 2500, 4000)), "reset": rng.choice((0, 200, 1000)),
                                "blackhole": rng.choice((500, 2500, 4000))}.get(kind, 0),

@@ -6,8 +6,9 @@ a world-size change, a new DataLoader pass, a rank disagreeing with its job) and
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
 spread over feeders, finite and unbounded streams. Each scenario is a few seconds.
 
-The regression tests replay seeds that found a bug (tests/chaos/README in the docstrings:
-`python -m tests.chaos --seed N` replays one by hand, and keeps its work directory if it fails).
+The regression tests replay seeds that found a bug on the code before the fixes of audit
+findings 1-4 (1be1a8d); `python -m tests.chaos --seed N` replays one by hand and keeps the work
+directory (rank outputs, rank and feeder logs, ledgers) when it fails.
 """
 from __future__ import annotations
 
@@ -50,3 +51,34 @@ def test_a_seed_alone_replays_the_same_scenario():
 @pytest.mark.parametrize("seed", COVERAGE)
 def test_chaos_seed(seed):
     _run(seed)
+
+
+# Seeds that failed on 1be1a8d (before the fixes of audit findings 1-4), named by what broke.
+def test_regression_seed_666_sigterm_with_a_fully_queued_finite_stream():
+    """SIGTERM while the rest of a finite stream waited in the feeder's queue: the stream ended
+    with OK after 1791 of 2223 batches (shutdown dropped the queue of a finished producer)."""
+    _run(666)
+
+
+def test_regression_seed_127_data_loss_on_one_replica():
+    """A corrupt replica first in the rank's targets: the rank got DATA_LOSS instead of moving
+    to the other target's good replica."""
+    _run(127)
+
+
+def test_regression_seed_17809_dataloader_workers_reconnect():
+    """3 spawn workers, a blackholed link: after the reconnect a worker's stream resumed at the
+    wrong round-robin phase (position 133: step 61 instead of 63)."""
+    _run(17809)
+
+
+def test_regression_seed_543_new_pass_over_persistent_workers():
+    """A new pass over a DataLoader with 3 persistent workers after load_state_dict: it went on
+    from where the workers had streamed to (step 37), not from the dataset's cursor (step 31)."""
+    _run(543)
+
+
+def test_regression_seed_258_rank_disagreeing_on_micro_batch():
+    """A rank asking for micro_batch 9 while its job ran with 8 on that feeder was served (and
+    replaced the job's own stream of that rank) instead of being refused."""
+    _run(258)

@@ -16,7 +16,13 @@ class FeederDataset(IterableDataset):
     No gRPC object exists until iteration starts, so the dataset can be pickled to
     DataLoader workers (fork or spawn) and each worker opens its own channel. With
     num_workers=k, worker w streams batches w, w+k, ...; the DataLoader's round-robin
-    over workers restores the exact order. Use `batch_size=None`.
+    over workers restores the exact order, through any reconnect. Use `batch_size=None`.
+
+    Passes: without workers, a new pass (`iter`) continues after the last batch yielded.
+    With workers, every pass starts from the cursor this object holds in the main process
+    (the constructor's, or `load_state_dict`'s): a worker cannot know which of its prefetched
+    batches the main process took. To continue after a pass with workers, load the cursor of
+    the last batch the loop took (`batch.cursor`).
     """
 
     def __init__(self, targets: Sequence[str] | Mapping[str, str] | str, job: str, rank: int, world_size: int, seq_len: int,
@@ -66,7 +72,12 @@ class FeederDataset(IterableDataset):
         self.client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=self.cursor, **transport))
         try:
             for batch in self.client:
-                self.cursor = batch.cursor
+                # In a DataLoader worker the cursor stays the pass's start: the worker's own
+                # last batch is not where the main process stands (the other workers' batches
+                # and the prefetch lie between), so every pass starts where the main process's
+                # dataset says, persistent workers or not.
+                if info is None:
+                    self.cursor = batch.cursor
                 yield batch
         finally:
             self.client.close()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from feeder.config import StreamSpec
-from feeder.errors import ELSEWHERE, Code, FeederError, Unavailable
+from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError, Unavailable
 from feeder.malloc import keep_freed_memory
 from feeder.security import ClientSecurity, explain
 from feeder.v1 import feeder_pb2 as pb
@@ -163,6 +163,10 @@ def decode(b: pb.Batch, region: str = "",
 _END = object()
 
 
+class Incomplete(Exception):
+    """A stream closed with status OK but without the feeder's end marker."""
+
+
 class Handoff:
     """The bounded FIFO between the stream thread and the training loop. The stream thread
     adds runs of batches and the loop wakes it only once the queue is down to half, so the two
@@ -245,6 +249,7 @@ class FeederClient:
         if cfg.keep_freed_memory:
             keep_freed_memory()
         self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
+        self._phase = cfg.spec.worker_phase   # round-robin index of the batch after self.cursor
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
@@ -355,6 +360,7 @@ class FeederClient:
             seed=s.seed, shuffle=s.shuffle, drop_last=s.drop_last, epoch=s.epoch, num_epochs=s.num_epochs,
             cursor=self.cursor or b"", compression=COMPRESSION[s.compression],
             compression_level=s.compression_level, worker_index=s.worker_index, num_workers=s.num_workers,
+            worker_phase=self._phase,
             reshard=s.reshard and self.cursor == self.cfg.cursor, expected_fingerprint=s.expected_fingerprint,
             dataset=s.dataset, failover=self._after_break, bad_records=s.bad_records,
             rtt_us=min(int(rtt * 1e6), 2**32 - 1) if (rtt := self.rtt_s.get(target, 0.0)) != float("inf") else 0)
@@ -369,10 +375,13 @@ class FeederClient:
         return self._q.put_many([item], self._stop)
 
     def _hand(self, batches: list) -> bool:
-        """Queue decoded batches; the stream resumes after the last one queued."""
+        """Queue decoded batches; the stream resumes after the last one queued, and a worker's
+        stream with the batch after its own in the round-robin."""
         if not self._q.put_many(batches, self._stop):
             return False
         self.cursor = batches[-1].cursor
+        s = self.cfg.spec
+        self._phase = (s.worker_index + 1) % s.num_workers
         return True
 
     def _order_targets(self) -> None:
@@ -414,8 +423,12 @@ class FeederClient:
                     try:
                         reply = next(call)
                     except StopIteration:
-                        self._put(_END)
-                        return
+                        if (END, COMPLETE) in tuple(call.trailing_metadata() or ()):
+                            self._put(_END)
+                            return
+                        # OK but not complete: whatever closed the call, the rest of the
+                        # stream is still owed; resume it from the cursor like any break.
+                        raise Incomplete() from None
                     finally:
                         self._waiting_since = None
                     if reply.region != self.region:
@@ -463,6 +476,8 @@ class FeederClient:
                 why = ("silent past the idle timeout" if self._idle_cancelled
                        else explain(e, target, self.cfg.security).partition(": ")[2])
                 last_error = f"{target}: {why}"
+            except Incomplete:
+                last_error = f"{target}: the stream ended without its end marker"
             except FeederError as e:  # corrupt batch: never served; another feeder may have good data
                 last_error = f"{target}: {e}"
                 if e.code != Code.DATA_LOSS:

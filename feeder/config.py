@@ -50,6 +50,9 @@ class StreamSpec:
     compression_level: int = 3
     worker_index: int = 0
     num_workers: int = 1
+    # The round-robin index of the first batch after the cursor (see the proto): a worker
+    # that reopens from its own last batch's cursor is one past its own index.
+    worker_phase: int = 0
     reshard: bool = False
     expected_fingerprint: str = ""
     dataset: str = ""
@@ -76,6 +79,9 @@ class StreamSpec:
         if not 0 <= self.worker_index < self.num_workers:
             raise InvalidArgument(
                 f"worker_index must be in [0, num_workers={self.num_workers}), got {self.worker_index}")
+        if not 0 <= self.worker_phase < self.num_workers:
+            raise InvalidArgument(
+                f"worker_phase must be in [0, num_workers={self.num_workers}), got {self.worker_phase}")
 
     @property
     def end_epoch(self) -> int | None:

@@ -18,6 +18,9 @@ class Code(enum.Enum):
 
 # Trailing metadata key on refusals with FeederError.elsewhere set.
 ELSEWHERE = "feeder-elsewhere"
+# Trailing metadata of a stream that ran to its end (END: COMPLETE); an OK status without it
+# is not an end.
+END, COMPLETE = "feeder-end", "complete"
 
 
 class FeederError(Exception):
@@ -57,7 +60,11 @@ class WrongReplica(FailedPrecondition):
 
 
 class DataLoss(FeederError):
+    """This feeder's copy of the data is corrupt: another replica of the same fingerprint may
+    be sound, so the client moves on to its next target before it gives up."""
+
     code = Code.DATA_LOSS
+    elsewhere = True
 
 
 class Unavailable(FeederError):

@@ -116,11 +116,16 @@ class Job:
     idle_since: float | None = None   # monotonic time its last stream closed
 
 
+# What every rank of a job must share: the samples (dataset .. drop_last) and how many batches
+# each rank gets (micro_batch, the epochs): ranks that disagree on the latter would run
+# different numbers of steps, and the ones that finish first leave the others hanging in
+# their collectives.
+KEY_NAMES = ("dataset", "world_size", "seq_len", "seed", "shuffle", "drop_last", "micro_batch", "epoch",
+             "num_epochs")
+
+
 def job_key(spec: StreamSpec) -> tuple:
-    return (spec.dataset, spec.world_size, spec.seq_len, spec.seed, spec.shuffle, spec.drop_last)
-
-
-KEY_NAMES = ("dataset", "world_size", "seq_len", "seed", "shuffle", "drop_last")
+    return tuple(getattr(spec, name) for name in KEY_NAMES)
 
 
 def unknown_job(job: str, known) -> NotFound:
@@ -227,11 +232,16 @@ class RankStream:
                                     "newer stream of the same rank"))
 
     def end(self, error: FeederError) -> None:
-        """Drop what is queued and end the stream with `error` (its cursor lets the peer resume)."""
+        """Drop what is queued and end the stream with `error` (its cursor lets the peer resume).
+
+        The error wins even over a producer that already finished: the messages it queued are
+        dropped here, so ending with OK would tell the peer a truncated stream was complete."""
         if self._producer is not None:
             self._producer.cancel()
         self._items.clear()
+        self._bytes = 0
         self._finish(error)
+        self._end = error
 
     def _finish(self, error: BaseException | None) -> None:
         if not self._finished:
@@ -240,7 +250,9 @@ class RankStream:
         self._changed.set()
 
     def _selected(self) -> Iterator[PlannedBatch | None]:
-        k, w, i = 0, self.spec.num_workers, self.spec.worker_index
+        # The round-robin count starts at the phase the worker asked for, not at 0: a worker
+        # reopening from its own last batch's cursor is one past its own index.
+        k, w, i = self.spec.worker_phase, self.spec.num_workers, self.spec.worker_index
         for planned in self.plan.batches():
             if planned is None:  # the plan would block (a tailed topic): flush what is built
                 yield None

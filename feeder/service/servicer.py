@@ -12,7 +12,7 @@ import grpc
 
 from feeder.config import StreamSpec
 from feeder.engine import Engine
-from feeder.errors import ELSEWHERE, Code, FeederError
+from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.stream import unknown_job
 from feeder.siblings import merge
@@ -70,7 +70,8 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
     return StreamSpec(job=r.job, rank=r.rank, world_size=r.world_size, seq_len=r.seq_len,
                       micro_batch=r.micro_batch, seed=r.seed, shuffle=r.shuffle, drop_last=r.drop_last,
                       epoch=r.epoch, num_epochs=r.num_epochs, compression=compression, compression_level=level,
-                      worker_index=r.worker_index, num_workers=max(1, r.num_workers), reshard=r.reshard,
+                      worker_index=r.worker_index, num_workers=max(1, r.num_workers),
+                      worker_phase=r.worker_phase, reshard=r.reshard,
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records)
 
 
@@ -147,6 +148,9 @@ class FeederServicer(pb_grpc.FeederServicer):
                 yield reply
                 stream.state.sent(msg, len(reply))
                 engine.delivered(stream, msg)
+            # Only a stream that ran to its plan's end says so: any other end (a feeder going
+            # away, a proxy closing the call) is a break the client resumes from its cursor.
+            context.set_trailing_metadata(((END, COMPLETE),))
             reason = "finished"
         except FeederError as e:
             reason = f"{e.code.name}: {e.message}"

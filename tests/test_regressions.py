@@ -1,0 +1,254 @@
+"""Regressions of the outside audit (issue 16): each broke exactness where two features meet.
+Real feeder processes, real gRPC; each test failed on the code before its fix."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import signal
+import time
+
+import grpc
+import pytest
+from torch.utils.data import DataLoader
+
+from client import FeederDataset
+from feeder.config import ServeConfig, StreamSpec
+from feeder.errors import Code, FeederError, Unavailable
+from feeder.sampler import n_samples
+from feeder.service.server import ServerThread
+from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, reference_ids
+from tests.test_stream import _corrupt_copy
+
+pytestmark = pytest.mark.fault
+
+
+def _flip_token_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF   # inside the token values of a record batch
+    path.write_bytes(bytes(data))
+
+
+# -- 1. SIGTERM while the rest of a finite stream is already queued ------------------------
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """~6 M tokens: one rank's stream is far larger than what HTTP/2 flow control lets into the
+    client's buffers, so most of it is still in the feeder's queue when the feeder is stopped."""
+    docs = make_docs(24000, seed=5, max_words=90)
+    return prep_docs(tmp_path_factory.mktemp("big"), docs), byte_stream(docs)
+
+
+def test_sigterm_with_the_whole_rest_queued_fails_over_instead_of_ending(big):
+    """Audit finding 1: the producer had built and queued the rank's whole stream, SIGTERM's
+    `end()` dropped the queue, and the call ended OK: the rank saw a normal end after 2 079 of
+    3 045 samples. Now the stream ends UNAVAILABLE and the rank resumes on the other feeder."""
+    dataset, stream = big
+    seq_len, mb, seed = 512, 8, 11
+    # A queue deep enough for the whole rank: the producer finishes long before the rank reads.
+    extra = ["--prefetch-messages", "100000", "--prefetch-bytes", str(1 << 30), "--message-bytes", str(1 << 16),
+             "--compression", "none", "--grace", "30"]   # the rank reads on through the grace period
+    a, b = FeederProc(dataset, extra=extra), FeederProc(dataset, extra=extra)
+    try:
+        want = expected_ids(stream, 0, 1, seq_len, seed)
+        ds = FeederDataset([a.address, b.address], job="sigterm-queued", rank=0, world_size=1, seq_len=seq_len,
+                           micro_batch=mb, seed=seed, read_ahead=1, prefer="order", retry_for_s=60, failback_s=0)
+        got = []
+        for k, batch in enumerate(ds):
+            got.append(batch)
+            if k == 5:
+                time.sleep(1.5)    # the producer has long finished
+                a.proc.send_signal(signal.SIGTERM)   # drains for up to its grace period
+        check_batches(got, stream, seq_len, want)
+        assert ds.client.failovers >= 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_end_after_the_producer_finished_still_ends_with_the_error(dataset):
+    """The mechanism under finding 1 (and supersede, which takes the same path): `end(error)`
+    on a stream whose producer has finished drops the queue, so the stream must raise."""
+    from feeder.engine import Engine
+    from feeder.service.server import load_sources
+    from feeder.service.wire import encode_reply
+
+    async def run():
+        cfg = ServeConfig(source=str(dataset), prefetch_messages=100000, prefetch_bytes=1 << 30,
+                          message_bytes=4096)
+        engine = Engine(cfg, load_sources(cfg), lambda block: encode_reply(block, cfg.region))
+        spec = StreamSpec(job="end-after-finish", rank=0, world_size=1, seq_len=16, micro_batch=4)
+        stream = await engine.open_stream(spec, b"")
+        it = stream.messages()
+        await it.__anext__()
+        while not stream._finished:          # let the producer build and queue everything
+            await asyncio.sleep(0.01)
+        assert stream._items, "the test needs messages still queued when the stream is ended"
+        stream.end(Unavailable("shutting down"))
+        with pytest.raises(Unavailable):
+            async for _ in it:
+                pass
+        engine.close()
+
+    asyncio.run(run())
+
+
+def test_an_ok_end_without_the_end_marker_is_resumed_not_believed(dataset, stream):
+    """The client side of finding 1: whatever ends a call with OK but without the feeder's end
+    marker (a proxy, an older feeder, a bug), the rank resumes from its cursor instead of
+    taking it for the end of its data."""
+    from feeder.v1 import feeder_pb2 as pb
+    from feeder.v1 import feeder_pb2_grpc as pb_grpc
+    from feeder.net import free_port
+
+    seq_len, mb, seed = 16, 4, 2
+    with ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=4096)) as good:
+        # A relay that forwards the real feeder's first three replies, then ends the call OK.
+        class Truncating(pb_grpc.FeederServicer):
+            async def Stream(self, request, context):
+                async with grpc.aio.insecure_channel(good.address) as ch:
+                    call = pb_grpc.FeederStub(ch).Stream(request)
+                    k = 0
+                    async for reply in call:
+                        yield reply
+                        k += 1
+                        if k == 3:
+                            return
+
+        async def serve(port, ready, stop):
+            server = grpc.aio.server()
+            pb_grpc.add_FeederServicer_to_server(Truncating(), server)
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await server.stop(0)
+
+        import threading
+
+        port, ready, stop = free_port(), threading.Event(), threading.Event()
+        t = threading.Thread(target=lambda: asyncio.run(serve(port, ready, stop)), daemon=True)
+        t.start()
+        ready.wait(10)
+        try:
+            ds = FeederDataset([f"127.0.0.1:{port}", good.address], job="no-marker", rank=0, world_size=1,
+                               seq_len=seq_len, micro_batch=mb, seed=seed, prefer="order", read_ahead=1,
+                               failback_s=0)
+            got = list(ds)
+        finally:
+            stop.set()
+            t.join(5)
+    assert ds.client.failovers >= 1
+    check_batches(got, stream, seq_len, expected_ids(stream, 0, 1, seq_len, seed))
+    assert pb  # the relay speaks the real proto
+
+
+# -- 2. DataLoader workers and any reconnect ------------------------------------------------
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dataloader_workers_through_a_sigkill_failover_stay_exact(big, persistent):
+    """Audit finding 2: DataLoader(num_workers=2), targets [A, B], A SIGKILLed after 41 batches:
+    1 152 samples duplicated and 1 148 missing in epoch 0, epoch 1 wrong. A worker resumed from
+    its own last batch's cursor, but the feeder restarted the round-robin count there. A
+    persistent worker's second pass started from its own last cursor (steps 25, 25, 27, 27...)."""
+    dataset, stream = big
+    seq_len, mb, seed = 512, 4, 7
+    extra = ["--compression", "none"]
+    a, b = FeederProc(dataset, extra=extra), FeederProc(dataset, extra=extra)
+    try:
+        ds = FeederDataset([a.address, b.address], job=f"workers-kill-{persistent}", rank=0, world_size=2,
+                           seq_len=seq_len, micro_batch=mb, seed=seed, num_epochs=2, prefer="order",
+                           read_ahead=2, retry_for_s=60, failback_s=0)
+        dl = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent,
+                        multiprocessing_context=mp.get_context("spawn"))
+        got = []
+        for k, batch in enumerate(dl):
+            got.append((batch.epoch, batch.step, batch.sample_ids.tolist()))
+            if k == 41:
+                a.signal(signal.SIGKILL)
+        n = n_samples(len(stream), seq_len)
+        for epoch in (0, 1):
+            want = reference_ids(n, 2, 0, shuffle=True, seed=seed, drop_last=False, epoch=epoch)
+            mine = [g for g in got if g[0] == epoch]
+            assert [s for _, s, _ in mine] == list(range(len(mine)))
+            assert [i for _, _, ids in mine for i in ids] == want
+        # Every pass with workers starts from the dataset's cursor in this process: the same batches.
+        if persistent:
+            again = [(batch.epoch, batch.step, batch.sample_ids.tolist()) for batch in dl]
+            assert again == got
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_worker_resumed_from_its_own_cursor_takes_the_batch_after_its_own_turn(feeder, stream):
+    """The mechanism under finding 2, without a DataLoader: worker 1 of 3 reads two batches,
+    reopens from its own last cursor (phase = its index + 1) and must get exactly the batches of
+    an uninterrupted worker 1."""
+    from client.stream import ClientConfig, FeederClient
+
+    def worker_spec(**kw):
+        return StreamSpec(job="phase", rank=0, world_size=1, seq_len=16, micro_batch=4, seed=1,
+                          worker_index=1, num_workers=3, **kw)
+
+    def take(client, k=None):
+        out = []
+        for batch in client:
+            out.append(batch)
+            if k is not None and len(out) == k:
+                break
+        client.close()
+        return out
+
+    whole = take(FeederClient(ClientConfig(targets=(feeder.address,), spec=worker_spec())))
+    first = take(FeederClient(ClientConfig(targets=(feeder.address,), spec=worker_spec())), 2)
+    rest = take(FeederClient(ClientConfig(targets=(feeder.address,), spec=worker_spec(worker_phase=2),
+                                          cursor=first[-1].cursor)))
+    assert [b.step for b in whole][:4] == [1, 4, 7, 10]
+    assert [(b.step, b.sample_ids.tolist()) for b in first + rest] == \
+        [(b.step, b.sample_ids.tolist()) for b in whole]
+
+
+# -- 3. DATA_LOSS on one replica, a good one elsewhere ---------------------------------------
+
+def test_data_loss_on_one_replica_fails_over_to_a_good_one(dataset, stream, tmp_path):
+    """Audit finding 3: a corrupt chunk on one feeder ended training although another target
+    served a good replica of the same fingerprint."""
+    copy, _ = _corrupt_copy(dataset, tmp_path, _flip_token_byte)
+    seq_len, seed = 64, 4
+    with ServerThread(ServeConfig(source=str(copy), listen="127.0.0.1:0")) as bad, \
+            ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0")) as good:
+        ds = FeederDataset([bad.address, good.address], job="dataloss", rank=0, world_size=1, seq_len=seq_len,
+                           micro_batch=4, seed=seed, shuffle=False, prefer="order", failback_s=0)
+        got = list(ds)
+        assert ds.client.target == good.address
+    want = reference_ids(n_samples(len(stream), seq_len), 1, 0, shuffle=False, seed=seed, drop_last=False, epoch=0)
+    check_batches(got, stream, seq_len, want)
+
+
+def test_data_loss_everywhere_is_still_raised(dataset, tmp_path):
+    copy, m = _corrupt_copy(dataset, tmp_path, _flip_token_byte)
+    with ServerThread(ServeConfig(source=str(copy), listen="127.0.0.1:0")) as a, \
+            ServerThread(ServeConfig(source=str(copy), listen="127.0.0.1:0")) as b:
+        ds = FeederDataset([a.address, b.address], job="dataloss-all", rank=0, world_size=1, seq_len=64,
+                           micro_batch=4, shuffle=False)
+        with pytest.raises(FeederError) as e:
+            list(ds)
+    assert e.value.code == Code.DATA_LOSS and m.shards[-1].path in str(e.value)
+
+
+# -- 4. Ranks of one job that disagree on how many batches they get --------------------------
+
+@pytest.mark.parametrize("field,theirs", [("micro_batch", 8), ("num_epochs", 2), ("epoch", 1)])
+def test_ranks_disagreeing_on_batches_per_epoch_are_refused(feeder, field, theirs):
+    """Audit finding 4: rank 0 with micro_batch 4 and rank 1 with 8 were both served (219 vs 111
+    batches); in a real job the rank that finishes first leaves the other hanging."""
+    base = dict(job=f"disagree-{field}", world_size=2, seq_len=16, micro_batch=4, seed=0, num_epochs=1, epoch=0)
+    r0 = iter(FeederDataset([feeder.address], rank=0, **base))
+    next(r0)   # rank 0's stream is live
+    other = FeederDataset([feeder.address], rank=1, **{**base, field: theirs}, retry_for_s=5)
+    with pytest.raises(FeederError) as e:
+        next(iter(other))
+    assert e.value.code == Code.FAILED_PRECONDITION
+    assert f"{field}={base[field]!r}" in str(e.value) and f"{field}={theirs!r}" in str(e.value)
+    r0.close()

@@ -18,7 +18,7 @@ from tests.chaos import FAULT_KINDS, Scenario, run_scenario
 
 pytestmark = pytest.mark.fault
 
-COVERAGE = [1332, 1143, 2777, 1650, 175, 1949, 82]
+COVERAGE = [2544, 241, 411, 2586, 671, 248, 57, 82, 467]
 
 
 def _run(seed: int):

@@ -413,11 +413,24 @@ class ScenarioRun:
             self.after(f.heal_ms / 1000, self.unclog, link)
         self.injected[f.kind] += 1
 
-    def unclog(self, link) -> None:
-        """The link as the scenario has it: no toxic but its bandwidth."""
-        link.clear()
-        if self.sc.link_kbps:
-            link.bandwidth(self.sc.link_kbps)
+    def unclog(self, link, tries: int = 20) -> None:
+        """The link as the scenario has it: no toxic but its bandwidth. Toxiproxy's API can stall
+        while a link's other end is SIGSTOPped (removing a toxic waits for its pipe): try again
+        a little later rather than hold up the run."""
+        try:
+            link.clear()
+            if self.sc.link_kbps:
+                link.bandwidth(self.sc.link_kbps)
+        except OSError:   # URLError, TimeoutError
+            if hasattr(link, "api"):   # what toxiproxy still has (a timed-out DELETE may have gone through)
+                try:
+                    link.toxics = [t["name"] for t in link.api._call("GET", f"/proxies/{link.name}/toxics")]
+                except OSError:
+                    pass
+            if tries:
+                self.after(0.5, self.unclog, link, tries - 1)
+            else:
+                self.errors.append(f"harness: could not clear the toxics of link {link.listen}")
 
     def restart_feeder(self, t: int) -> None:
         fd = self.feeders[t]
@@ -636,6 +649,8 @@ class ScenarioRun:
                 if inc.proc.exitcode is not None and not inc.exited:
                     self.on_exit(inc)
         # Heal what is still broken, so the ledgers are whole, then stop the feeders.
+        for t in list(self.stopped):
+            self.cont_feeder(t)
         while self.timers:
             _, _, fn, args = heapq.heappop(self.timers)
             fn(*args)

@@ -55,7 +55,7 @@ def rank_main(cfg: dict, conn) -> None:
                            num_epochs=cfg["num_epochs"],
                            cursor=bytes.fromhex(cfg["cursor"]) if cfg["cursor"] else None, reshard=cfg["reshard"],
                            compression=cfg["compression"],
-                           read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=1.0,
+                           read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
                            retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
                            report_every_s=1.0, pin_memory=False)
         workers = cfg["workers"]

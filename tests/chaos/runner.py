@@ -653,7 +653,8 @@ class ScenarioRun:
             self.cont_feeder(t)
         while self.timers:
             _, _, fn, args = heapq.heappop(self.timers)
-            fn(*args)
+            if fn != self.inject_feeder:   # a fault whose moment came after the end is not injected
+                fn(*args)
         self.cleanup()
         if any(i.repasses for i in self.incs):
             self.injected["repass"] += sum(i.repasses for i in self.incs)

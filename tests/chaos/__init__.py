@@ -20,7 +20,10 @@ def _cache() -> Path:
     """This process's prepped corpora (one per size), made on first use."""
     global _CACHE
     if _CACHE is None:
+        import atexit
+
         _CACHE = Path(tempfile.mkdtemp(prefix="chaos-corpora-"))
+        atexit.register(shutil.rmtree, _CACHE, True)   # tens of MB with the large corpus
     return _CACHE
 
 

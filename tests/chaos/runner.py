@@ -99,14 +99,20 @@ class Feeder:
         self.proc: subprocess.Popen | None = None
         self.stopped_pid: int | None = None
         self.log = open(log, "a")
-        self.start()
+        self.launch()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
         argv = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(self.source), "--listen",
                 self.address, "--grace", "1", "--ledger", str(self.ledger), *self.args]
         if self.processes > 1:
             argv += ["--processes", str(self.processes)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 60
         line = ""
         while "listening on" not in line:
@@ -573,6 +579,8 @@ class ScenarioRun:
                 self.injected["corrupt"] += 1
             self.feeders.append(Feeder(src, args, self.dir / f"ledger-{t}.jsonl", self.dir / f"feeder-{t}.log",
                                        sc.processes))
+        for fd in self.feeders:   # launched together, waited for together: their starts overlap
+            fd.wait_ready()
         if sc.link_kbps or any(f.kind in ("reset", "blackhole") for f in sc.faults):
             self.links = [proxies().proxy(fd.address) for fd in self.feeders]
             for link in self.links:

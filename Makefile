@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env proto demo test test-fast bench kafka kafka-stop toxiproxy regions clean
+.PHONY: env proto demo test test-fast bench soak kafka kafka-stop toxiproxy regions clean
 
 env: $(STAMP)
 
@@ -35,6 +35,13 @@ test: env toxiproxy
 # Figures in bench/results.json and bench/throughput.png (the README quotes them).
 bench: env
 	$(PY) -m feeder.cli bench --json bench/results.json --plot bench/throughput.png
+
+# The fault-combination harness on SEEDS random scenarios (from START, else a random start):
+# progress on stderr, a summary in bench/soak.json; a failing seed replays with
+# `python -m tests.chaos --seed N`.
+SEEDS ?= 50
+soak: env toxiproxy
+	$(PY) -m tests.chaos --seeds $(SEEDS) $(if $(START),--start $(START)) --json bench/soak.json
 
 # A single-node Apache Kafka broker (KRaft) on 127.0.0.1:9092, fetched from Maven Central.
 kafka:

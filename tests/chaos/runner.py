@@ -1,0 +1,670 @@
+"""The runner: a scenario against real `feeder serve` processes and real rank processes.
+
+Feeders are subprocesses on fixed ports (a killed one comes back on its port), each with
+`--ledger`; proxies (tests/wanproxy.py) sit between ranks and feeders when the scenario
+resets or blackholes links. Ranks are processes forked from a forkserver that preloaded
+tests.chaos.rank. The runner's loop waits on the ranks' pipes and exits and on its timers:
+a rank that reaches a fault's position pauses, the runner injects the fault and lets it go;
+heals (restart, SIGCONT, clearing a toxic) are timers. Then the oracle judges what the ranks
+wrote and what the feeders' ledgers say.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from feeder.net import free_port
+from tests.chaos.scenario import FEEDER_FAULTS, Fault, Scenario
+from tests.helpers import byte_stream, make_docs, prep_docs
+
+SCENARIO_BUDGET_S = 150.0    # a scenario still running after this is a hang: a failure
+RANK_RETRY_FOR_S = 40.0      # a rank with nowhere to go for this long raises UNAVAILABLE
+
+
+# ---- corpora ---------------------------------------------------------------------------
+
+@dataclass
+class Corpus:
+    dataset: Path
+    stream: np.ndarray
+
+
+_CORPORA: dict[tuple[str, int], Corpus] = {}
+
+
+def corpus(root: Path, n_docs: int) -> Corpus:
+    """One prepped dataset per size, shared by every scenario of this process (small chunks and
+    shards, so samples cross both and a corrupt chunk is one of many)."""
+    key = (str(root), n_docs)
+    if key not in _CORPORA:
+        d = root / f"corpus-{n_docs}"
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        docs = make_docs(n_docs, seed=n_docs, max_words=40)
+        _CORPORA[key] = Corpus(prep_docs(d, docs, shard_tokens=3000, chunk_tokens=600), byte_stream(docs))
+    return _CORPORA[key]
+
+
+def corrupt_copy(dataset: Path, out: Path, rng: random.Random) -> str:
+    """A replica with one token byte flipped in one chunk (same manifest, same fingerprint):
+    the feeder finds it by the chunk's sha256 and answers DATA_LOSS for it."""
+    import pyarrow as pa
+
+    shutil.copytree(dataset, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    shard = rng.choice(manifest["shards"])
+    path = out / shard["path"]
+    with pa.memory_map(str(path), "r") as mm:
+        reader = pa.ipc.open_file(mm)
+        ci = rng.randrange(reader.num_record_batches)
+        values = reader.get_batch(ci).column(0).values
+        buf = values.buffers()[1]
+        mm.seek(0)
+        whole = mm.read_buffer()   # the whole mapping: addresses in it are file offsets
+        offset = buf.address - whole.address + values.offset * values.type.byte_width
+        k = rng.randrange(len(values))
+        at = offset + k * values.type.byte_width
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    return f"{shard['path']} chunk {ci} token {k}"
+
+
+# ---- feeders and links -------------------------------------------------------------------
+
+class Feeder:
+    """A `feeder serve` subprocess on a fixed port; its log lines go to a file."""
+
+    def __init__(self, source: Path, args: list[str], ledger: Path, log: Path, processes: int):
+        self.source, self.args, self.ledger, self.log_path = source, args, ledger, log
+        self.processes = processes
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.stopped_pid: int | None = None
+        self.log = open(log, "a")
+        self.launch()
+
+    def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        argv = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(self.source), "--listen",
+                self.address, "--grace", "1", "--ledger", str(self.ledger), *self.args]
+        if self.processes > 1:
+            argv += ["--processes", str(self.processes)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "listening on" not in line:
+            line = self.proc.stdout.readline()
+            if not line and (self.proc.poll() is not None or time.monotonic() > deadline):
+                raise RuntimeError(f"feeder did not start (see {self.log_path})")
+            self.log.write(line)
+        # Keep reading its stdout, so a chatty feeder never blocks on a full pipe.
+        threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
+
+    def _drain(self, proc) -> None:
+        for line in proc.stdout:
+            try:
+                self.log.write(line)
+            except ValueError:
+                return
+
+    def victim(self, rng: random.Random) -> int:
+        """The pid a fault hits: the feeder, or one of its processes under --processes."""
+        if self.processes > 1:
+            import psutil
+
+            kids = psutil.Process(self.proc.pid).children()
+            if kids:
+                return rng.choice(kids).pid
+        return self.proc.pid
+
+    def wait_dead(self, timeout: float = 30) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        """SIGKILL: the ledger is written line by line, so nothing is lost, and a drain would
+        only cost its grace period. Processes under --processes follow their supervisor
+        (PR_SET_PDEATHSIG) and are waited for, so their ledgers are final for the audit."""
+        import psutil
+
+        if self.stopped_pid:
+            _signal(self.stopped_pid, signal.SIGCONT)
+        if self.proc and self.proc.poll() is None:
+            try:
+                kids = psutil.Process(self.proc.pid).children()
+            except psutil.Error:
+                kids = []
+            self.proc.kill()
+            self.proc.wait(10)
+            for k in kids:
+                _signal(k.pid, signal.SIGCONT)
+            psutil.wait_procs(kids, timeout=10)
+        self.log.close()
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a rank's process group: the rank, its DataLoader workers and their forkserver."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(pid: int, sig) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+_PROXIES = None
+
+
+def proxies():
+    """One proxy server for the process (toxiproxy when built, else the user-space one)."""
+    global _PROXIES
+    if _PROXIES is None:
+        from tests.wanproxy import start_proxies
+
+        _PROXIES = start_proxies()
+    return _PROXIES
+
+
+def drop_proxy(p) -> None:
+    try:
+        if hasattr(p, "api"):
+            p.api._call("DELETE", f"/proxies/{p.name}")
+        else:
+            p.clear()
+            p.loop.call_soon_threadsafe(p.server.close)
+    except Exception:  # noqa: BLE001 - cleanup only
+        pass
+
+
+def connected_ranks(address: str, job: str) -> int:
+    """Ranks of `job` with an open stream on the feeder at `address` (its Status)."""
+    import grpc
+
+    from feeder.v1 import feeder_pb2 as pb
+    from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = pb_grpc.FeederStub(ch).Status(pb.StatusRequest(job=job), timeout=3)
+        except grpc.RpcError:
+            return 0
+    return sum(1 for j in reply.jobs for r in j.ranks if r.connected)
+
+
+# ---- ranks -------------------------------------------------------------------------------
+
+_CTX = None
+
+
+def rank_context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["tests.chaos.rank"])
+    return _CTX
+
+
+@dataclass
+class Incarnation:
+    """One process of one rank: from start_pos (batches before its cursor) on."""
+    slot: int
+    phase: int
+    world: int
+    start_pos: int
+    cursor: str
+    reshard: bool
+    out: Path
+    proc: object = None
+    conn: object = None
+    role: str = "main"            # main | superseded (a newer process of the rank took over)
+    killed: bool = False          # by the runner (trainer restart)
+    exited: bool = False
+    lines: list = field(default_factory=list)
+    ckpts: list = field(default_factory=list)   # (pos, cursor)
+    repasses: int = 0
+    end: dict | None = None
+    exitcode: int | None = None
+    release: object = None        # superseded process to let go once this one streams
+
+    def parse(self) -> None:
+        self.lines, self.ckpts, self.end, self.repasses = [], [], None, 0
+        if not self.out.exists():
+            return
+        for raw in self.out.read_text().splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:   # a line cut by SIGKILL
+                continue
+            if "ckpt" in rec:
+                self.ckpts.append((rec["ckpt"], rec["c"]))
+            elif "repass" in rec:
+                self.repasses += 1
+            elif "end" in rec:
+                self.end = rec
+            else:
+                self.lines.append(rec)
+
+    def last_checkpoint(self) -> tuple[int, str, bool]:
+        """(position, cursor, reshard) a restart resumes from: the last checkpoint written, or
+        where this process itself started."""
+        self.parse()
+        if self.ckpts:
+            pos, cur = self.ckpts[-1]
+            return pos, cur, False
+        return self.start_pos, self.cursor, self.reshard
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    ok: bool
+    errors: list
+    faults: Counter
+    samples: int
+    wall_s: float
+    workdir: str
+
+
+class ScenarioRun:
+    def __init__(self, sc: Scenario, workdir: Path, cache: Path):
+        self.sc, self.dir = sc, workdir
+        self.rng = random.Random(f"run-{sc.seed}")
+        self.corpus = corpus(cache, sc.n_docs)
+        from feeder.sampler import n_samples
+
+        self.n = n_samples(len(self.corpus.stream), sc.seq_len)
+        self.errors: list[str] = []
+        self.injected: Counter = Counter()
+        self.timers: list = []
+        self.seq = 0
+        self.incs: list[Incarnation] = []
+        self.done_faults: set[int] = set()
+        self.feeders: list[Feeder] = []
+        self.links: list = []
+        self.intruders: list[str] = []
+        self.reshard = next((f for f in sc.faults if f.kind == "reshard"), None)
+        self.phase = 1
+        self.stopped: dict[int, int] = {}   # feeder index -> stopped pid
+
+    # -- plan arithmetic
+    def batches_per_epoch(self, world: int) -> int:
+        from feeder.sampler import per_rank
+
+        per = per_rank(self.n, world, self.sc.drop_last)
+        return -(-per // self.sc.micro_batch)
+
+    def total(self, world: int) -> int:
+        sc = self.sc
+        return sc.take if sc.num_epochs == 0 else self.batches_per_epoch(world) * sc.num_epochs
+
+    def fault_pos(self, f: Fault) -> int:
+        """A fault's moment, clamped into the run (the generator only estimated its length)."""
+        horizon = self.total(self.sc.world)
+        return max(1, min(f.at_batch, horizon - 1)) if f.at_batch else 0
+
+    def stop_at(self) -> int:
+        return self.fault_pos(self.reshard) if self.reshard else 0
+
+    # -- timers
+    def after(self, delay_s: float, fn, *args) -> None:
+        self.seq += 1
+        heapq.heappush(self.timers, (time.monotonic() + delay_s, self.seq, fn, args))
+
+    # -- ranks
+    def rank_faults(self, phase: int, world: int) -> list[tuple[int, Fault]]:
+        """(index, fault) of the batch-moment faults that phase's ranks trigger."""
+        s = self.stop_at()
+        out = []
+        for i, f in enumerate(self.sc.faults):
+            p = self.fault_pos(f)
+            if not p or f.kind == "reshard" or i in self.done_faults:
+                continue
+            if s and ((phase == 1 and p > s) or (phase == 2 and p <= s)):
+                continue
+            out.append((i, f))
+        return out
+
+    def start_rank(self, slot: int, phase: int, world: int, start_pos: int, cursor: str, reshard: bool,
+                   extra_pause: int = 0) -> Incarnation:
+        sc = self.sc
+        k = sum(1 for i in self.incs if i.slot == slot and i.phase == phase)
+        inc = Incarnation(slot=slot, phase=phase, world=world, start_pos=start_pos, cursor=cursor, reshard=reshard,
+                          out=self.dir / f"rank{slot}.p{phase}.{k}.jsonl")
+        mine = [(i, f) for i, f in self.rank_faults(phase, world) if f.rank % world == slot]
+        pauses = sorted({self.fault_pos(f) for _, f in mine if f.kind != "repass"} | ({extra_pause} - {0}))
+        repasses = sorted({self.fault_pos(f) for _, f in mine if f.kind == "repass"})
+        total = self.total(world)
+        stop = self.stop_at() if phase == 1 and self.reshard else (total if sc.num_epochs == 0 else 0)
+        targets = [ln.listen for ln in self.links] if self.links else [fd.address for fd in self.feeders]
+        if sc.spread:
+            r = slot % len(targets)
+            targets = targets[r:] + targets[:r]
+        cfg = dict(out=str(inc.out), start_pos=start_pos, targets=targets, job=sc.job, rank=slot, world=world,
+                   seq_len=sc.seq_len, micro_batch=sc.micro_batch, seed=sc.data_seed, shuffle=sc.shuffle,
+                   drop_last=sc.drop_last, epoch=sc.start_epoch, num_epochs=sc.num_epochs, cursor=cursor,
+                   reshard=reshard, read_ahead=sc.read_ahead, compression=sc.compression, retry_for_s=RANK_RETRY_FOR_S,
+                   failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
+                   pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every)
+        from tests.chaos.rank import rank_main
+
+        ctx = rank_context()
+        ours, theirs = ctx.Pipe()
+        # not daemonic: a rank has DataLoader workers of its own
+        inc.proc = ctx.Process(target=rank_main, args=(cfg, theirs))
+        inc.proc.start()
+        theirs.close()
+        inc.conn = ours
+        self.incs.append(inc)
+        return inc
+
+    def main_inc(self, slot: int, phase: int) -> Incarnation | None:
+        for inc in reversed(self.incs):
+            if inc.slot == slot and inc.phase == phase and inc.role == "main":
+                return inc
+        return None
+
+    # -- faults
+    def inject_feeder(self, f: Fault) -> None:
+        t = f.target % len(self.feeders)
+        fd = self.feeders[t]
+        if f.kind in ("sigkill", "sigterm"):
+            if fd.proc.poll() is not None or t in self.stopped:
+                return   # already down (another fault): nothing to hit
+            pid = fd.victim(self.rng) if f.kind == "sigkill" else fd.proc.pid
+            _signal(pid, signal.SIGKILL if f.kind == "sigkill" else signal.SIGTERM)
+            if pid == fd.proc.pid:   # the whole feeder goes: it comes back on its port
+                self.after(f.heal_ms / 1000, self.restart_feeder, t)
+            # else one of --processes N died: its supervisor starts it again
+        elif f.kind == "sigstop":
+            if t in self.stopped or fd.proc.poll() is not None:
+                return
+            pid = fd.victim(self.rng)
+            _signal(pid, signal.SIGSTOP)
+            self.stopped[t] = fd.stopped_pid = pid
+            self.after(f.heal_ms / 1000, self.cont_feeder, t)
+        elif f.kind in ("reset", "blackhole"):
+            link = self.links[t]
+            link.reset() if f.kind == "reset" else link.blackhole()
+            self.after(f.heal_ms / 1000, self.unclog, link)
+        self.injected[f.kind] += 1
+
+    def unclog(self, link, tries: int = 20) -> None:
+        """The link as the scenario has it: no toxic but its bandwidth. Toxiproxy's API can stall
+        while a link's other end is SIGSTOPped (removing a toxic waits for its pipe): try again
+        a little later rather than hold up the run."""
+        try:
+            link.clear()
+            if self.sc.link_kbps:
+                link.bandwidth(self.sc.link_kbps)
+        except OSError:   # URLError, TimeoutError
+            if hasattr(link, "api"):   # what toxiproxy still has (a timed-out DELETE may have gone through)
+                try:
+                    link.toxics = [t["name"] for t in link.api._call("GET", f"/proxies/{link.name}/toxics")]
+                except OSError:
+                    pass
+            if tries:
+                self.after(0.5, self.unclog, link, tries - 1)
+            else:
+                self.errors.append(f"harness: could not clear the toxics of link {link.listen}")
+
+    def restart_feeder(self, t: int) -> None:
+        fd = self.feeders[t]
+        fd.wait_dead()
+        fd.start()
+
+    def cont_feeder(self, t: int) -> None:
+        pid = self.stopped.pop(t, None)
+        if pid:
+            _signal(pid, signal.SIGCONT)
+            self.feeders[t].stopped_pid = None
+
+    def on_pause(self, inc: Incarnation, pos: int) -> None:
+        if inc.release is not None and pos == inc.start_pos + 1:
+            # The newer process streams: let the superseded one go on (it must now stop with an error).
+            old, inc.release = inc.release, None
+            self.go(old)
+        if inc.role != "main":
+            self.go(inc)
+            return
+        fire = [(i, f) for i, f in self.rank_faults(inc.phase, inc.world)
+                if self.fault_pos(f) == pos and f.rank % inc.world == inc.slot and f.kind != "repass"]
+        release = True
+        for i, f in fire:
+            self.done_faults.add(i)
+            if f.kind in FEEDER_FAULTS:
+                if f.hold_ms:   # the rank idles: its window and the feeder's queue fill up first
+                    time.sleep(f.hold_ms / 1000)
+                self.inject_feeder(f)
+            elif f.kind == "restart":
+                self.injected["restart"] += 1
+                self.after(self.rng.uniform(0, 0.05), self.kill_rank, inc)
+            elif f.kind == "supersede":
+                self.injected["supersede"] += 1
+                inc.role = "superseded"
+                ck_pos, ck_cur, ck_reshard = inc.last_checkpoint()
+                newer = self.start_rank(inc.slot, inc.phase, inc.world, ck_pos, ck_cur, ck_reshard,
+                                        extra_pause=ck_pos + 1)
+                newer.release = inc
+                release = False   # held until the newer one has its first batch (or ends)
+            elif f.kind == "disagree":
+                self.intrude(inc, f)
+        if release:
+            self.go(inc)
+
+    def go(self, inc: Incarnation) -> None:
+        try:
+            inc.conn.send("go")
+        except (OSError, ValueError):
+            pass
+
+    def kill_rank(self, inc: Incarnation) -> None:
+        inc.killed = True
+        kill_group(inc.proc.pid)
+        # on_exit starts it again from its last checkpoint
+
+    def intrude(self, inc: Incarnation, f: Fault) -> None:
+        """A client of the same job and rank that disagrees on one parameter, on a feeder where
+        the job is live: it must be refused with FAILED_PRECONDITION (and disturb nobody)."""
+        from client import FeederDataset
+        from feeder.errors import Code, FeederError
+
+        if self.sc.processes > 1:
+            return   # the job's checks hold per process; which one it lands on is the kernel's choice
+        live = [fd for fd in self.feeders if fd.proc.poll() is None and fd.stopped_pid is None
+                and connected_ranks(fd.address, self.sc.job)]
+        if not live:
+            return
+        sc = self.sc
+        kw = dict(job=sc.job, rank=inc.slot, world_size=inc.world, seq_len=sc.seq_len, micro_batch=sc.micro_batch,
+                  seed=sc.data_seed, shuffle=sc.shuffle, drop_last=sc.drop_last, epoch=sc.start_epoch,
+                  num_epochs=sc.num_epochs)
+        kw[f.detail] = kw[f.detail] + 1
+        ds = FeederDataset([live[0].address], **kw, retry_for_s=5, idle_timeout_s=5, read_ahead=1,
+                           failback_s=0, report_every_s=60, pin_memory=False)
+        self.injected["disagree"] += 1
+        try:
+            next(iter(ds))
+            self.intruders.append(f"a rank disagreeing on {f.detail} ({kw[f.detail]}) was served by "
+                                  f"{live[0].address} while the job was live there")
+        except FeederError as e:
+            if e.code != Code.FAILED_PRECONDITION:
+                self.intruders.append(f"a rank disagreeing on {f.detail} got {e.code.name}, expected "
+                                      f"FAILED_PRECONDITION: {e}")
+        finally:
+            if ds.client is not None:
+                ds.client.close()
+
+    def on_exit(self, inc: Incarnation) -> None:
+        inc.exited = True
+        inc.proc.join(5)
+        kill_group(inc.proc.pid)   # workers it left behind
+        inc.exitcode = inc.proc.exitcode
+        inc.conn.close()
+        inc.parse()
+        if inc.release is not None:        # the newer one ended before its first batch
+            self.go(inc.release)
+            inc.release = None
+        if inc.killed and inc.role == "main":
+            pos, cur, reshard = inc.last_checkpoint()
+            inc.role = "restarted"
+            self.start_rank(inc.slot, inc.phase, inc.world, pos, cur, reshard)
+        if self.phase == 1 and self.reshard and not any(not i.exited for i in self.incs):
+            self.start_phase_two()
+
+    def start_phase_two(self) -> None:
+        self.phase = 2
+        first = self.main_inc(0, 1)
+        s = self.stop_at()
+        ck = [c for p, c in (first.ckpts if first else []) if p == s]
+        if not ck:
+            self.errors.append(f"reshard: rank 0 did not reach step {s} (its end: {first.end if first else None})")
+            return
+        # Every old rank's stream must be gone before ranks with another world size attach.
+        deadline = time.monotonic() + 15
+        while any(connected_ranks(fd.address, self.sc.job) for fd in self.feeders if fd.stopped_pid is None) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.injected["reshard"] += 1
+        new = int(self.reshard.detail)
+        for r in range(new):
+            self.start_rank(r, 2, new, s, ck[0], True)
+
+    # -- the whole run
+    def setup(self) -> None:
+        sc = self.sc
+        corrupt_t = None
+        if any(f.kind == "corrupt" for f in sc.faults):
+            corrupt_t = next(f.target for f in sc.faults if f.kind == "corrupt") % sc.targets
+            if sc.spread is False:
+                corrupt_t = 0   # the replica every rank tries first
+        args = ["--message-bytes", str(sc.message_bytes), "--prefetch-messages", str(sc.prefetch_messages),
+                "--threads", "2"]
+        for t in range(sc.targets):
+            src = self.corpus.dataset
+            if t == corrupt_t:
+                where = corrupt_copy(src, self.dir / f"corrupt-{t}", self.rng)
+                (self.dir / "corrupt.txt").write_text(where + "\n")
+                src = self.dir / f"corrupt-{t}"
+                self.injected["corrupt"] += 1
+            self.feeders.append(Feeder(src, args, self.dir / f"ledger-{t}.jsonl", self.dir / f"feeder-{t}.log",
+                                       sc.processes))
+        for fd in self.feeders:   # launched together, waited for together: their starts overlap
+            fd.wait_ready()
+        if sc.link_kbps or any(f.kind in ("reset", "blackhole") for f in sc.faults):
+            self.links = [proxies().proxy(fd.address) for fd in self.feeders]
+            for link in self.links:
+                self.unclog(link)
+
+    def ledgers(self) -> list[str]:
+        out = []
+        for t in range(len(self.feeders)):
+            base = self.dir / f"ledger-{t}.jsonl"
+            out += [str(p) for p in [base, *(Path(f"{base}.{i}") for i in range(self.sc.processes))] if p.exists()]
+        return out
+
+    def run(self) -> list[str]:
+        try:
+            return self._run()
+        finally:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """Whatever happened: no rank, feeder or proxy of this scenario outlives it."""
+        for i in self.incs:
+            if i.proc is not None:
+                kill_group(i.proc.pid)
+                i.proc.join(5)
+        for t in list(self.stopped):
+            self.cont_feeder(t)
+        for fd in self.feeders:
+            fd.close()
+        for link in self.links:
+            drop_proxy(link)
+        self.links = []
+
+    def _run(self) -> list[str]:
+        sc = self.sc
+        self.setup()
+        t0 = time.monotonic()
+        for f in sc.faults:
+            if f.kind in FEEDER_FAULTS and not f.at_batch:
+                self.after(f.at_ms / 1000, self.inject_feeder, f)
+        for r in range(sc.world):
+            self.start_rank(r, 1, sc.world, 0, "", False)
+        while True:
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                _, _, fn, args = heapq.heappop(self.timers)
+                fn(*args)
+            live = [i for i in self.incs if not i.exited]
+            if not live:
+                break
+            if now - t0 > SCENARIO_BUDGET_S:
+                self.errors.append(f"hang: ranks still running after {SCENARIO_BUDGET_S:.0f}s: " + ", ".join(
+                    f"rank {i.slot} (phase {i.phase}, {i.role}) at position {i.start_pos + len(i.lines)}"
+                    for i in live for _ in [i.parse()]))
+                for i in live:
+                    kill_group(i.proc.pid)
+                    i.proc.join(5)
+                    i.exited, i.exitcode = True, i.proc.exitcode
+                    i.parse()
+                break
+            wait = min(0.2, max(0.0, self.timers[0][0] - now)) if self.timers else 0.2
+            by_obj = {}
+            for i in live:
+                by_obj[i.conn] = ("msg", i)
+                by_obj[i.proc.sentinel] = ("exit", i)
+            for obj in mpc.wait(list(by_obj), timeout=wait):
+                what, inc = by_obj[obj]
+                if what == "msg" and not inc.exited:
+                    try:
+                        msg = inc.conn.recv()
+                    except (EOFError, OSError):
+                        continue
+                    self.on_pause(inc, msg[1])
+            for inc in live:
+                if inc.proc.exitcode is not None and not inc.exited:
+                    self.on_exit(inc)
+        # Heal what is still broken, so the ledgers are whole, then stop the feeders.
+        for t in list(self.stopped):
+            self.cont_feeder(t)
+        while self.timers:
+            _, _, fn, args = heapq.heappop(self.timers)
+            if fn != self.inject_feeder:   # a fault whose moment came after the end is not injected
+                fn(*args)
+        self.cleanup()
+        if any(i.repasses for i in self.incs):
+            self.injected["repass"] += sum(i.repasses for i in self.incs)
+        self.errors += self.intruders
+        return self.errors

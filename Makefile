@@ -40,8 +40,9 @@ bench: env
 # progress on stderr, a summary in bench/soak.json; a failing seed replays with
 # `python -m tests.chaos --seed N`.
 SEEDS ?= 50
+JOBS ?= 3
 soak: env toxiproxy
-	$(PY) -m tests.chaos --seeds $(SEEDS) $(if $(START),--start $(START)) --json bench/soak.json
+	$(PY) -m tests.chaos --seeds $(SEEDS) $(if $(START),--start $(START)) --jobs $(JOBS) --json bench/soak.json
 
 # A single-node Apache Kafka broker (KRaft) on 127.0.0.1:9092, fetched from Maven Central.
 kafka:

@@ -22,6 +22,9 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", help="only these fault kinds (comma-separated)")
     p.add_argument("--keep", action="store_true", help="keep every scenario's work directory")
     p.add_argument("--print", action="store_true", help="print the scenario(s) and run nothing")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run the seeds in this many processes at once (a scenario spends most of its time "
+                        "waiting on slow links and timers, not on the cores)")
     args = p.parse_args(argv)
     if (args.seed is None) == (args.seeds is None):
         p.error("give --seed N or --seeds N")
@@ -36,6 +39,8 @@ def main(argv=None) -> int:
     else:
         start = args.start if args.start is not None else random.SystemRandom().randrange(1_000_000)
         seeds = list(range(start, start + args.seeds))
+    if args.jobs > 1 and len(seeds) > 1 and not args.print:
+        return _parallel(args, seeds)
     t0 = time.monotonic()
     faults, failures, samples, passed = Counter(), [], 0, 0
     for k, seed in enumerate(seeds, 1):
@@ -67,6 +72,48 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}), file=sys.stderr)
     return 1 if failures else 0
+
+
+def _parallel(args, seeds: list[int]) -> int:
+    """Contiguous slices of the seeds, each in a `python -m tests.chaos` of its own (each has
+    its own proxy server and ports), and one summary of theirs."""
+    import subprocess
+    import tempfile
+
+    t0 = time.monotonic()
+    k = min(args.jobs, len(seeds))
+    size = -(-len(seeds) // k)
+    parts, procs = [], []
+    tmp = Path(tempfile.mkdtemp(prefix="chaos-jobs-"))
+    for j in range(k):
+        chunk = seeds[j * size:(j + 1) * size]
+        if not chunk:
+            continue
+        out = tmp / f"part{j}.json"
+        cmd = [sys.executable, "-m", "tests.chaos", "--seeds", str(len(chunk)), "--start", str(chunk[0]),
+               "--json", str(out)] + (["--kinds", args.kinds] if args.kinds else []) + (["--keep"] if args.keep else [])
+        procs.append(subprocess.Popen(cmd))
+        parts.append(out)
+    for proc in procs:
+        proc.wait()
+    faults, failures, samples, passed = Counter(), [], 0, 0
+    for out in parts:
+        if not out.exists():   # a slice that died before its summary: its seeds count as failed
+            failures.append({"seed": None, "scenario": str(out), "first_error": "the slice wrote no summary"})
+            continue
+        part = json.loads(out.read_text())
+        faults.update(part["faults_injected"])
+        failures += part["failures"]
+        samples += part["samples_checked"]
+        passed += part["passed"]
+    summary = {"scenarios": len(seeds), "passed": passed, "failed": len(seeds) - passed, "start": seeds[0],
+               "jobs": k, "faults_injected": dict(sorted(faults.items())), "samples_checked": samples,
+               "wall_s": round(time.monotonic() - t0, 1), "failures": failures}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}), file=sys.stderr)
+    return 1 if failures or passed != len(seeds) else 0
 
 
 if __name__ == "__main__":

@@ -122,3 +122,19 @@ def test_the_wheel_requires_torch_only_for_the_client_extra(tmp_path):
     assert not [r for r in requires if r.startswith("deepspeed") and 'extra == "train"' not in r]
     assert any(r.startswith("token-feeder[client]") and 'extra == "train"' in r for r in requires), requires
     assert "[feeder.commands]\nbench = feeder_bench.cli:register" in eps, eps
+
+
+def test_a_shuffle_that_needs_torch_says_so_where_torch_is_not_installed(monkeypatch):
+    """torch's randperm is still the fallback (past 2^32/20 samples, or without the C shuffle);
+    on a feeder host installed without the client extra that is a precise refusal
+    (FAILED_PRECONDITION through the servicer), not an ImportError from deep in a stream."""
+    from feeder import sampler
+    from feeder.errors import FailedPrecondition
+
+    monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ImportError
+    with pytest.raises(FailedPrecondition, match=r"shuffling 214,748,364 samples needs torch's randperm "
+                                                 r"\(this many samples\): pip install 'token-feeder\[client\]'"):
+        sampler.randperm(2**32 // 20, 1)
+    monkeypatch.setitem(sys.modules, "feeder._shuffle", None)
+    with pytest.raises(FailedPrecondition, match="a feeder built without a C compiler"):
+        sampler.randperm(10, 1)

@@ -40,6 +40,7 @@ def _serve_in_process(target, seconds: float, size: int):
 
 
 def raw_socket_mb_s(seconds: float, chunk: int) -> float:
+    """MB/s a bare TCP socket on loopback carries, read with recv_into: the first ceiling."""
     p, port = _serve_in_process(_socket_server, seconds, chunk)
     c = socket.create_connection(("127.0.0.1", port))
     buf = bytearray(chunk)
@@ -100,6 +101,8 @@ def raw_grpc_shared_mb_s(clients: "Clients", seconds: float, size: int, streams:
 
 
 def raw_grpc_mb_s(seconds: float, size: int) -> float:
+    """MB/s of a bare grpc.aio stream of `size`-byte messages read by one grpcio client,
+    from its first message on: the second ceiling."""
     import grpc
 
     p, port = _serve_in_process(_grpc_server, seconds, size)

@@ -12,6 +12,7 @@ import sys
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
+    """The bench's flags, the same under `feeder bench` and `python -m bench`."""
     s.add_argument("--json", default="", help="write every figure here")
     s.add_argument("--plot", default="", help="draw throughput against ranks and the data-wait share (PNG)")
     s.add_argument("--data", default="bench/data", help="where the corpus, tokenizer and shards are kept")

@@ -28,6 +28,8 @@ def machine_cpu_s() -> dict[str, float]:
 
 
 class Feeder:
+    """A `feeder serve` subprocess on loopback (port 0: a free one), started and ready."""
+
     def __init__(self, source: str, port: int = 0, *, message_bytes: int, extra=()):
         port = port or free_port()
         self.address = f"127.0.0.1:{port}"
@@ -46,11 +48,13 @@ class Feeder:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def status(self):
+        """The feeder's `feeder status` answer (jobs, ranks, RSS)."""
         from feeder.status import fetch
 
         return fetch(self.address)
 
     def stop(self):
+        """SIGTERM, then SIGKILL after 15 s."""
         self.proc.terminate()
         try:
             self.proc.wait(15)
@@ -229,6 +233,9 @@ class Clients:
 
     def run(self, addresses, job, world, *, seq_len, mb, compression="none", seconds=4.0, step_s=0.0,
             ranks=None, warm_s=1.0, read_ahead=4) -> dict:
+        """`world` ranks (or just `ranks`) of FeederClients spread over the client processes,
+        taking batches for `seconds` after a warm-up (`step_s`: a training step per batch):
+        their totals, tokens/s and the share of time they waited for data."""
         ranks = list(range(world)) if ranks is None else ranks
         parts = [ranks[i::self.n] for i in range(self.n)]
         args = [(addresses, job, part, world, seq_len, mb, compression, seconds, step_s, warm_s, read_ahead)
@@ -261,6 +268,7 @@ class Clients:
                 "reader_cpu_s_per_gb": cpu_s / (total / 1e9) if total else None}
 
     def close(self):
+        """Stop the client processes."""
         self.pool.terminate()
 
 

@@ -41,6 +41,7 @@ def ratios(r: dict) -> dict:
 
 
 def table(r: dict) -> str:
+    """The figures and the targets as the text table `feeder bench` prints."""
     def of_rounds(key: str, scale: float = 1.0) -> str:
         return f"median of {', '.join(f'{x / scale:,.0f}' for x in r['rounds'][key])}"
 
@@ -97,6 +98,7 @@ def _scaling_rows(sc: dict) -> list[tuple[str, str]]:
 
 
 def plot(r: dict, path: str) -> None:
+    """Throughput against ranks, and the data-wait share, as a PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,6 +126,7 @@ def plot(r: dict, path: str) -> None:
 
 
 def versions() -> dict:
+    """Versions of what the figures depend on."""
     import grpc
     import pyarrow
 
@@ -139,6 +142,7 @@ def versions() -> dict:
 
 
 def machine() -> dict:
+    """The machine the figures were taken on."""
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
             "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "maxrss_mb_bench": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

@@ -342,16 +342,27 @@ def add_plugin_commands(sub) -> None:
     """Subcommands that other installed packages add through the `feeder.commands` entry-point
     group (each entry point is a function given the subparsers): `feeder bench` is the
     benchmark's (bench/cli.py), so `feeder` runs it without importing the bench package, which
-    sits above both the feeder and its client. One that cannot be loaded (installed without
-    what it needs) is left out of the commands rather than breaking `feeder serve`."""
+    sits above both the feeder and its client. One that cannot be loaded (a stale or partial
+    install) becomes a command that says so in one line, rather than an unknown command."""
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="feeder.commands"):
         try:
             register = ep.load()
-        except ImportError:
+        except ImportError as e:
+            # no option prefix: whatever flags follow land in `rest`, and fn says why it cannot run
+            s = sub.add_parser(ep.name, help=f"(cannot be loaded: {e})", add_help=False, prefix_chars="\0")
+            s.add_argument("rest", nargs=argparse.REMAINDER)
+            s.set_defaults(fn=_unloadable(ep.name, ep.value, e))
             continue
         register(sub)
+
+
+def _unloadable(name: str, value: str, err: ImportError):
+    def fn(args) -> int:
+        raise FeederError(f"`feeder {name}` is registered ({value}) but cannot be loaded: {err}; "
+                          "reinstall token-feeder (`make env` in a checkout)")
+    return fn
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,11 @@ def test_feeder_finds_bench_through_the_entry_point_group(monkeypatch, capsys):
     assert cli.main(["bench", "--rounds", "0"]) == cli.EXIT_USER
     err = capsys.readouterr().err
     assert err == "feeder bench: error: rounds must be a positive integer, got 0\n"
+    # a stale install: the command is known, and says in one line why it cannot run
+    assert cli.main(["broken", "--any", "flags"]) == cli.EXIT_USER
+    err = capsys.readouterr().err
+    assert err.startswith("feeder broken: error: `feeder broken` is registered (no_such_module_here:register) but "
+                          "cannot be loaded: No module named 'no_such_module_here'") and err.count("\n") == 1, err
 
     def no_reading(group):
         raise AssertionError("a built-in command read the entry points")

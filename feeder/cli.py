@@ -1,4 +1,4 @@
-"""`feeder prep | serve | status`: the command line. User mistakes end in one clear line
+"""`feeder prep | serve | status | ...`: the command line. User mistakes end in one clear line
 (exit 2), never a traceback."""
 from __future__ import annotations
 
@@ -33,22 +33,6 @@ def cmd_publish(args) -> int:
     r = publish(cfg)
     print(f"published {r['records']:,} records to {r['topic']} ({r['partitions']} partitions, vocab "
           f"{r['vocab_size']}, eos {r['eos_id']})")
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from feeder.bench import BenchConfig, run, table
-
-    cfg = BenchConfig(data=args.data, ranks=args.ranks, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                      seconds=args.seconds, message_bytes=args.message_bytes, kafka=args.kafka, quick=args.quick,
-                      rounds=args.rounds,
-                      corpus_bytes=(2 << 20) if args.quick else (12 << 20))
-    r = run(cfg, json_path=args.json, plot_path=args.plot)
-    print(table(r))
-    if args.json:
-        print(f"wrote {args.json}")
-    if args.plot:
-        print(f"wrote {args.plot}")
     return 0
 
 
@@ -240,7 +224,10 @@ def cmd_audit(args) -> int:
     return 0 if all(r["exactly_once"] for r in results) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """`feeder`'s parser; given the arguments it will parse, it reads the installed plugin
+    commands only when they do not name a built-in one (reading entry points costs every start
+    tens of milliseconds)."""
     p = argparse.ArgumentParser(prog="feeder", description="Token feeder: prepare datasets and serve token "
                                 "batches to training ranks over gRPC.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -333,22 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
     _client_security_flags(s)
     s.set_defaults(fn=cmd_health)
 
-    s = sub.add_parser("bench", help="measure the feeder against a raw socket, bare gRPC and a local DataLoader")
-    s.add_argument("--json", default="", help="write every figure here")
-    s.add_argument("--plot", default="", help="draw throughput against ranks and the data-wait share (PNG)")
-    s.add_argument("--data", default="bench/data", help="where the corpus, tokenizer and shards are kept")
-    s.add_argument("--ranks", type=int, default=8)
-    s.add_argument("--seq-len", type=int, default=2048)
-    s.add_argument("--micro-batch", type=int, default=8)
-    s.add_argument("--seconds", type=float, default=4.0, help="measuring time per figure")
-    s.add_argument("--rounds", type=int, default=3,
-                   help="rounds of the ceilings and the feeder, interleaved; each figure is their median")
-    s.add_argument("--message-bytes", type=int, default=8 << 20,
-                   help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
-    s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
-    s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
-    s.set_defaults(fn=cmd_bench)
-
     s = sub.add_parser("audit", help="prove from ledgers that each epoch was delivered exactly once")
     s.add_argument("ledgers", nargs="+", help="ledger files of every feeder that served the job")
     s.add_argument("--job", default="")
@@ -362,12 +333,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0)
     s.set_defaults(fn=cmd_status)
+    if not argv or argv[0] not in sub.choices:
+        add_plugin_commands(sub)
     return p
 
 
+def add_plugin_commands(sub) -> None:
+    """Subcommands that other installed packages add through the `feeder.commands` entry-point
+    group (each entry point is a function given the subparsers): `feeder bench` is the
+    benchmark's (bench/cli.py), so `feeder` runs it without importing the bench package, which
+    sits above both the feeder and its client. One that cannot be loaded (a stale or partial
+    install) becomes a command that says so in one line, rather than an unknown command."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="feeder.commands"):
+        try:
+            register = ep.load()
+        except ImportError as e:
+            # no option prefix: whatever flags follow land in `rest`, and fn says why it cannot run
+            s = sub.add_parser(ep.name, help=f"(cannot be loaded: {e})", add_help=False, prefix_chars="\0")
+            s.add_argument("rest", nargs=argparse.REMAINDER)
+            s.set_defaults(fn=_unloadable(ep.name, ep.value, e))
+            continue
+        register(sub)
+
+
+def _unloadable(name: str, value: str, err: ImportError):
+    def fn(args) -> int:
+        raise FeederError(f"`feeder {name}` is registered ({value}) but cannot be loaded: {err}; "
+                          "reinstall token-feeder (`make env` in a checkout)")
+    return fn
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)   # `serve --processes N` starts N of itself
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    args.argv = argv   # `serve --processes N` starts N of itself
     try:
         return args.fn(args)
     except FeederError as e:

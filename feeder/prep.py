@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from feeder import manifest as mf
-from feeder import tokenize
+from feeder import tokenizer
 from feeder.config import PrepConfig
 from feeder.errors import InputError
 from feeder.progress import Progress
@@ -215,7 +215,7 @@ _TOKENIZER = None
 def _init_worker(spec: str, eos_token: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     global _TOKENIZER
-    _TOKENIZER = tokenize.load(spec, eos_token)
+    _TOKENIZER = tokenizer.load(spec, eos_token)
 
 
 def encode_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
@@ -345,7 +345,7 @@ class ShardWriter:
 def prep(cfg: PrepConfig, *, force: bool = False) -> mf.Manifest:
     for path in cfg.inputs:
         input_kind(path)  # fail on a missing or unknown file before any work
-    tok = tokenize.load(cfg.tokenizer, cfg.eos_token)
+    tok = tokenizer.load(cfg.tokenizer, cfg.eos_token)
     out = Path(cfg.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 
-from feeder import tokenize
+from feeder import tokenizer
 from feeder.config import PublishConfig
 from feeder.errors import InvalidArgument, Unavailable
 from feeder.prep import input_kind, tokenized
@@ -60,7 +60,7 @@ def publish(cfg: PublishConfig) -> dict:
     for path in cfg.inputs:
         input_kind(path)  # a missing or unknown file fails before anything is produced
     url = KafkaURL.parse(cfg.to)
-    tok = tokenize.load(cfg.tokenizer, cfg.eos_token)
+    tok = tokenizer.load(cfg.tokenizer, cfg.eos_token)
     name = cfg.tokenizer if cfg.tokenizer == "byte" else f"hf:{tok.identity()['sha256'][:16]}"
     n_parts = ensure_topic(url.bootstrap, url.topic, cfg.partitions)
     failed: list[str] = []

@@ -17,6 +17,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from feeder.errors import FailedPrecondition
+
 
 def n_samples(n_tokens: int, seq_len: int) -> int:
     """Samples cut from a packed stream of n_tokens: sample i is tokens [i*L, i*L + L + 1)."""
@@ -83,7 +85,12 @@ def randperm(n: int, seed: int) -> np.ndarray:
     except ImportError:  # no C compiler at install: torch's own, at the cost of its memory
         fisher_yates = None
     if fisher_yates is None or n >= 2**32 // 20:
-        import torch  # torch switches to another algorithm for huge n: use it there
+        try:
+            import torch  # torch switches to another algorithm for huge n: use it there
+        except ImportError:  # torch is the client extra's: a feeder host may well not have it
+            why = "this many samples" if fisher_yates else "a feeder built without a C compiler"
+            raise FailedPrecondition(f"shuffling {n:,} samples needs torch's randperm ({why}): "
+                                     "pip install 'token-feeder[client]' on the feeder hosts") from None
 
         g = torch.Generator()
         g.manual_seed(seed)

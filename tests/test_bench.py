@@ -1,5 +1,7 @@
 """`feeder bench --quick` runs end to end and reports every figure the performance issue asks
-for, with a plot. Speed itself is judged from `make bench`'s numbers, never asserted here."""
+for, with a plot. Speed itself is judged from `make bench`'s numbers, never asserted here.
+The bench is its own package (bench/, installed as feeder_bench); `feeder` reaches it through
+the `feeder.commands` entry point that the installed token-feeder registers."""
 from __future__ import annotations
 
 import json
@@ -19,6 +21,15 @@ FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_shared_mb_s", "raw_grpc_
 
 
 def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
+    from importlib.metadata import entry_points
+
+    stale = "the installed token-feeder predates the bench package's entry point: run `make env`"
+    eps = {e.name: e for e in entry_points(group="feeder.commands")}
+    assert "bench" in eps, stale
+    try:
+        eps["bench"].load()
+    except ImportError as e:
+        pytest.fail(f"{stale} ({e})")
     out, png = tmp_path / "r.json", tmp_path / "p.png"
     r = subprocess.run([sys.executable, "-m", "feeder.cli", "bench", "--quick", "--seconds", "0.5", "--rounds", "2",
                         "--data", str(tmp_path / "data"), "--kafka", kafka_broker, "--json", str(out),

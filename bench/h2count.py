@@ -37,6 +37,8 @@ class StreamError(RuntimeError):
 
 @dataclass
 class Counted:
+    """What count_stream found on one stream."""
+
     bytes: int = 0          # message bytes (without the 5-byte prefixes) that arrived in the window
     messages: int = 0       # messages completed in the window
     total: int = 0          # message bytes read in all, the window or not (for CPU per byte)

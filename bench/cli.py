@@ -1,0 +1,80 @@
+"""`feeder bench` and `python -m bench`: the bench's command line.
+
+`feeder` does not import this package: it finds `register` through the `feeder.commands`
+entry-point group that pyproject.toml declares, so the product package keeps no import of
+its benchmark (which drives the client, and so torch). This module imports nothing heavy at
+import time: every `feeder` command loads it to list `bench` in its help.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(s: argparse.ArgumentParser) -> None:
+    """The bench's flags, the same under `feeder bench` and `python -m bench`."""
+    s.add_argument("--json", default="", help="write every figure here")
+    s.add_argument("--plot", default="", help="draw throughput against ranks and the data-wait share (PNG)")
+    s.add_argument("--data", default="bench/data", help="where the corpus, tokenizer and shards are kept")
+    s.add_argument("--ranks", type=int, default=8)
+    s.add_argument("--seq-len", type=int, default=2048)
+    s.add_argument("--micro-batch", type=int, default=8)
+    s.add_argument("--seconds", type=float, default=4.0, help="measuring time per figure")
+    s.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the ceilings and the feeder, interleaved; each figure is their median")
+    s.add_argument("--message-bytes", type=int, default=8 << 20,
+                   help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
+    s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
+    s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
+
+
+HELP = "measure the feeder against a raw socket, bare gRPC and a local DataLoader"
+
+
+def register(sub) -> None:
+    """The `feeder.commands` entry point: add `bench` to `feeder`'s subcommands."""
+    s = sub.add_parser("bench", help=HELP)
+    add_arguments(s)
+    s.set_defaults(fn=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    """Run the bench from parsed arguments, print its table; 0."""
+    from feeder.errors import FeederError
+
+    try:
+        import client  # noqa: F401  (the ranks' side: torch)
+    except ImportError as e:
+        raise FeederError(f"the bench drives the client, which needs {e.name}: "
+                          "pip install 'token-feeder[bench]'") from None
+    from .config import BenchConfig
+    from .report import table
+    from .run import run
+
+    cfg = BenchConfig(data=args.data, ranks=args.ranks, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                      seconds=args.seconds, message_bytes=args.message_bytes, kafka=args.kafka, quick=args.quick,
+                      rounds=args.rounds, corpus_bytes=(2 << 20) if args.quick else (12 << 20))
+    r = run(cfg, json_path=args.json, plot_path=args.plot)
+    print(table(r))
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench`: the same command without the `feeder` front end (user mistakes end
+    in one line and exit 2, as `feeder`'s do)."""
+    from feeder.errors import FeederError
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=HELP)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return cmd_bench(args)
+    except FeederError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

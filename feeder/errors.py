@@ -23,11 +23,29 @@ ELSEWHERE = "feeder-elsewhere"
 END, COMPLETE = "feeder-end", "complete"
 
 
+_BY_CODE: dict[Code, type] = {}
+
+
 class FeederError(Exception):
+    """The root of the feeder's errors. `FeederError(message, code=C)` is an instance of the
+    subclass for C (InvalidArgument, FailedPrecondition, ...), so an error rebuilt from its
+    type and message alone keeps its code: pickled, or re-raised by torch's DataLoader from a
+    worker (which calls `type(e)(message)`)."""
+
     code: Code = Code.INTERNAL
     # True when the refusal is about this feeder's data, not the request: another region's
     # replica may serve it, so clients move on to their next target (sent as trailing metadata).
     elsewhere: bool = False
+
+    def __new__(cls, message: str = "", *, code: Code | None = None, elsewhere: bool | None = None):
+        if cls is FeederError and code is not None:
+            cls = _BY_CODE.get(code, FeederError)
+        return super().__new__(cls, message)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "code" in cls.__dict__:
+            _BY_CODE.setdefault(cls.code, cls)   # the first class of a code is its plain one
 
     def __init__(self, message: str, *, code: Code | None = None, elsewhere: bool | None = None):
         super().__init__(message)
@@ -79,3 +97,15 @@ class InputError(FeederError):
     """A user's input file is unusable (missing, malformed): `feeder prep`/`publish` exit 2."""
 
     code = Code.INVALID_ARGUMENT
+
+
+class Unauthenticated(FeederError):
+    code = Code.UNAUTHENTICATED
+
+
+class PermissionDenied(FeederError):
+    code = Code.PERMISSION_DENIED
+
+
+class Internal(FeederError):
+    code = Code.INTERNAL

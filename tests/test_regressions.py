@@ -298,3 +298,18 @@ def test_load_state_dict_reaches_persistent_workers_for_the_next_pass(feeder, st
     check_batches(first + rest, stream, seq_len, want)
     ds.load_state_dict({"version": 1, "cursor": None})   # and back to the start
     assert [b.step for b in dl][:3] == [0, 1, 2]
+
+
+def test_a_refusal_raised_in_a_dataloader_worker_keeps_its_code(feeder):
+    """Found by the fault harness (seed 100392): a stream superseded inside a DataLoader worker
+    reached the training loop as INTERNAL. torch re-raises a worker's exception as
+    `type(e)(message)`, and a FeederError built with code=... lost its code that way."""
+    base = dict(job="worker-code", world_size=2, seq_len=16, micro_batch=4, seed=0, num_epochs=0)  # live
+    r0 = iter(FeederDataset([feeder.address], rank=0, **base))
+    next(r0)   # rank 0's stream is live with micro_batch 4
+    other = FeederDataset([feeder.address], rank=1, **{**base, "micro_batch": 8}, retry_for_s=5)
+    dl = DataLoader(other, batch_size=None, num_workers=1, multiprocessing_context=mp.get_context("spawn"))
+    with pytest.raises(FeederError) as e:
+        next(iter(dl))
+    assert e.value.code == Code.FAILED_PRECONDITION and "micro_batch=4" in str(e.value)
+    r0.close()

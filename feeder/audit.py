@@ -48,15 +48,17 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
     pending = defaultdict(list)
     for path in paths:
         try:
-            f = open(path)
+            f = open(path, "rb")
         except OSError as e:
             raise InputError(f"{path}: {e.strerror}") from None
         with f:
             for lineno, line in enumerate(f, 1):
                 try:
-                    rec = json.loads(line)
-                except ValueError:
+                    rec = json.loads(line)   # bytes: a non-UTF-8 line is a ValueError like any other
+                except (ValueError, RecursionError):
                     raise InputError(f"{path}:{lineno}: not a ledger line") from None
+                if not isinstance(rec, dict) or not ("open" in rec or {"job", "epoch"} <= rec.keys()):
+                    raise InputError(f"{path}:{lineno}: not a ledger line")
                 if "open" in rec:
                     meta.setdefault(rec["open"], rec)
                 elif not job or rec["job"] == job:

@@ -141,8 +141,10 @@ class StreamSpec:
                 f"worker_phase must be in [0, num_workers={self.num_workers}), got {shown(self.worker_phase)}")
 
     @property
-    def end_epoch(self) -> int | None:
-        return None if self.num_epochs == 0 else self.epoch + self.num_epochs
+    def end_epoch(self) -> int:
+        """One past the last epoch; an unbounded stream (num_epochs=0) runs through the last
+        epoch the wire and the cursor can name (2**32 - 1) and then ends."""
+        return UINT32_MAX + 1 if self.num_epochs == 0 else self.epoch + self.num_epochs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from typing import Callable
 from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
-from feeder.errors import NotFound, Unavailable, WrongReplica
+from feeder.errors import InvalidArgument, NotFound, Unavailable, WrongReplica
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
@@ -35,7 +35,7 @@ class Engine:
         self.jobs = Jobs()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
         self.started = time.monotonic()
-        self.ledger = open(cfg.ledger, "a", buffering=1) if cfg.ledger else None
+        self.ledger = _open_ledger(cfg.ledger) if cfg.ledger else None
         # One of several processes on this port (`feeder serve --processes N`)
         self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
         self.version = __version__
@@ -172,3 +172,10 @@ def _rank_status(r, region: str) -> RankStatus:
                       last_error=r.last_error, peer=r.peer, restarts=max(0, r.streams_opened - 1),
                       failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
                       state=r.state)
+
+
+def _open_ledger(path: str):
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:   # a directory, a missing parent, no permission: the operator's to fix
+        raise InvalidArgument(f"--ledger {path}: {e.strerror}; expected a file path this user can append to") from None

@@ -119,7 +119,7 @@ class StreamPlan:
         frames a run at a time)."""
         s, n, mb = self.spec, self.n, self.spec.micro_batch
         epoch, end = self.start.epoch, s.end_epoch
-        while end is None or epoch < end:
+        while epoch < end:
             order = sampler.epoch_order(n, s.seed, epoch, s.shuffle)
             if epoch == self.start.epoch:
                 base, world, pos, step = self.start.base, self.start.world, self.start.pos, self.start.step

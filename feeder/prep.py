@@ -231,7 +231,7 @@ def encode_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
                 obj = json.loads(line)
             except UnicodeDecodeError as e:
                 raise not_utf8(f"{path}:{lineno}", line, e) from None
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:   # RecursionError: nested past the parser's depth
                 raise InputError(f"{path}:{lineno}: not valid JSON ({e.__class__.__name__}: {e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise InputError(f"{path}:{lineno}: expected a JSON object with a string 'text' field")

@@ -263,3 +263,38 @@ def test_regression_any_status_message_is_capped(served, method, field, value):
     assert e.code() == grpc.StatusCode.NOT_FOUND, (e.code(), e.details()[:200])
     assert e.details().startswith(f"{field} '") and e.details().endswith("characters in all)")
     assert len(e.details().encode()) <= MAX_STATUS_MESSAGE
+
+
+# -- found by the outside review of issue 16 ---------------------------------------------------
+
+def test_regression_prep_of_json_nested_past_the_parsers_depth_exits_2(tmp_path):
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    refused(prep(deep, "--out", tmp_path / "out"), "deep.jsonl:1", "not valid JSON")
+
+
+def test_regression_serve_with_a_ledger_it_cannot_append_to_exits_2(dataset, tmp_path):
+    for ledger in (tmp_path, tmp_path / "missing" / "ledger.jsonl"):
+        r = subprocess.run([*FEEDER, "serve", "--source", str(dataset), "--listen", "127.0.0.1:0",
+                            "--ledger", str(ledger)], capture_output=True, text=True, timeout=60)
+        refused(r, "--ledger", str(ledger), "expected a file path")
+
+
+def test_regression_audit_of_a_file_that_is_not_a_ledger_exits_2(tmp_path):
+    for name, data in (("binary", b"\xff\xfe\x00garbage\n"), ("json", b'[1, 2]\n'), ("other", b'{"a": 1}\n')):
+        path = tmp_path / name
+        path.write_bytes(data)
+        r = subprocess.run([*FEEDER, "audit", str(path)], capture_output=True, text=True, timeout=60)
+        refused(r, f"{path}:1", "not a ledger line")
+
+
+def test_regression_an_unbounded_stream_ends_at_the_last_epoch_the_wire_can_name(feeder, stream):
+    """epoch=2**32-2, num_epochs=0: the plan reached epoch 2**32, which no cursor can hold, and
+    the stream failed INTERNAL, retried until retry_for_s. Now it ends after epoch 2**32-1."""
+    from feeder.sampler import n_samples
+
+    ds = FeederDataset([feeder.address], job="last-epochs", rank=0, world_size=1, seq_len=256, micro_batch=64,
+                       epoch=2**32 - 2, num_epochs=0, retry_for_s=10)
+    got = list(ds)
+    per_epoch = -(-n_samples(len(stream), 256) // 64)
+    assert [b.epoch for b in got] == [2**32 - 2] * per_epoch + [2**32 - 1] * per_epoch

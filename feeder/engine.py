@@ -98,7 +98,7 @@ class Engine:
         return stream
 
     def delivered(self, stream: RankStream, block: Block) -> None:
-        """Visitation ledger: (job, epoch, world, rank, step, ids) per batch handed to gRPC."""
+        """Visitation ledger: (job, epoch, world, rank, step, ids) per batch about to be handed to gRPC."""
         if self.ledger:
             s = stream.spec
             bounds = block.bounds()

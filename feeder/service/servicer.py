@@ -93,9 +93,13 @@ class FeederServicer(pb_grpc.FeederServicer):
         reason = "cancelled by client"
         try:
             async for msg, reply in stream.messages():
+                # Into the ledger before gRPC has it: a feeder killed right after the send
+                # must not leave a batch the rank received out of the ledger. A batch logged
+                # but never received is sent again by the next feeder, which the audit counts
+                # once (same world, rank, step and ids).
+                engine.delivered(stream, msg)
                 yield reply
                 stream.state.sent(msg, len(reply))
-                engine.delivered(stream, msg)
             # Only a stream that ran to its plan's end says so: any other end (a feeder going
             # away, a proxy closing the call) is a break the client resumes from its cursor.
             context.set_trailing_metadata(((END, COMPLETE),))

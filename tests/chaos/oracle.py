@@ -86,6 +86,10 @@ class Oracle:
         return [dedup[p] for p in sorted(dedup)]
 
     def check_ends(self, chain: list, want_total: int | None) -> None:
+        # Where the stream ends when no count is known beforehand (the re-dealt rest after a
+        # world-size change): where the processes that were not superseded ended it.
+        ends = [inc.end["p"] for inc in chain if inc.role != "superseded" and inc.end and inc.end["end"] == "ok"]
+        complete_at = want_total if want_total is not None else (max(ends) if ends else None)
         for inc in chain:
             who = f"rank {inc.slot} (phase {inc.phase}, process {inc.out.name}, {inc.role})"
             end = inc.end
@@ -101,7 +105,7 @@ class Oracle:
             if inc.role == "superseded":
                 if end["end"] == "error" and end["code"] == "FAILED_PRECONDITION":
                     continue
-                if end["end"] == "ok" and want_total is not None and last >= want_total:
+                if end["end"] == "ok" and complete_at is not None and last >= complete_at:
                     continue   # it had everything before the newer one took over
                 self.fail(f"{who}: a superseded stream must stop with FAILED_PRECONDITION, it ended "
                           f"{end['end']} {end.get('code', '')} at position {last}")

@@ -83,7 +83,9 @@ class ToxiProxy:
         self.toxics: list[str] = []
 
     def _toxic(self, kind: str, stream: str, **attributes) -> None:
-        name = f"{kind}-{stream}-{len(self.toxics)}"
+        # A name of its own: the list may have been resynced from the API (tests/chaos), and a
+        # name made from its length could then collide with a toxic still there (HTTP 409).
+        name = f"{kind}-{stream}-{os.urandom(4).hex()}"
         self.api._call("POST", f"/proxies/{self.name}/toxics", {"name": name, "type": kind, "stream": stream,
                                                                 "toxicity": 1.0, "attributes": attributes})
         self.toxics.append(name)

@@ -364,6 +364,13 @@ class ScenarioRun:
         mine = [(i, f) for i, f in self.rank_faults(phase, world) if f.rank % world == slot]
         pauses = sorted({self.fault_pos(f) for _, f in mine if f.kind != "repass"} | ({extra_pause} - {0}))
         repasses = sorted({self.fault_pos(f) for _, f in mine if f.kind == "repass"})
+        superseded_at = [self.fault_pos(f) for _, f in mine if f.kind == "supersede"]
+        if superseded_at and not extra_pause and start_pos < min(superseded_at):
+            # A process that will be superseded starts no new pass after that point: a new pass
+            # opens a newer stream, and the newest stream of a rank wins, so a zombie that
+            # starts one displaces the live process (soak seed 200017): that is the rule, not a
+            # fault of the feeder, and no trainer restarts its loop once replaced.
+            repasses = [p for p in repasses if p <= min(superseded_at)]
         total = self.total(world)
         stop = self.stop_at() if phase == 1 and self.reshard else (total if sc.num_epochs == 0 else 0)
         targets = [ln.listen for ln in self.links] if self.links else [fd.address for fd in self.feeders]

@@ -1,6 +1,8 @@
 """ClientConfig: what one rank's FeederClient streams, from where, and how it rides out failures."""
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +12,21 @@ from feeder.errors import Code, FeederError
 from feeder.security import ClientSecurity
 
 PLAIN = ClientSecurity()
+STARTED_ENV = "FEEDER_CLIENT_STARTED_NS"
+
+
+def process_started_ns() -> int:
+    """When this trainer process tree started using the feeder (ns since the Unix epoch).
+
+    Taken once, at the first call, and kept in the environment so that DataLoader workers
+    (forked or spawned) and their reconnects all send the same value. Feeders refuse a rank's
+    stream from a process that started before the one that last streamed the rank
+    (StreamSpec.client_started_ns), so a replaced trainer cannot take its rank back."""
+    value = os.environ.get(STARTED_ENV, "")
+    if not value.isdigit() or int(value) == 0:
+        value = str(time.time_ns())
+        os.environ[STARTED_ENV] = value
+    return int(value)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ from typing import Iterator, Mapping, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from client.config import process_started_ns
 from client.stream import ClientConfig, FeederBatch, FeederClient
 from feeder.config import StreamSpec
 from feeder.security import ClientSecurity
@@ -55,7 +56,7 @@ class FeederDataset(IterableDataset):
                                epoch=epoch, num_epochs=num_epochs, compression=compression,
                                compression_level=compression_level, reshard=reshard,
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
-                               bad_records=bad_records)
+                               bad_records=bad_records, client_started_ns=process_started_ns())
         self.targets = tuple(targets)
         self.cursor = cursor
         # Plain values only (no gRPC objects): the dataset is pickled to DataLoader workers.

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from client.config import PLAIN, ClientConfig
+from client.config import PLAIN, ClientConfig, process_started_ns
 from client.decode import DTYPES, FeederBatch, decode, pinned
 from client.handoff import END as _END
 from client.handoff import Handoff
@@ -60,6 +60,7 @@ class FeederClient:
             keep_freed_memory()
         self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
         self._phase = cfg.spec.worker_phase   # round-robin index of the batch after self.cursor
+        self._started_ns = cfg.spec.client_started_ns or process_started_ns()   # fences a replaced trainer
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
@@ -176,7 +177,8 @@ class FeederClient:
     def _request(self, target: str) -> pb.StreamRequest:
         return stream_request(self.cfg.spec, self.cursor, worker_phase=self._phase,
                               reshard=self.cfg.spec.reshard and self.cursor == self.cfg.cursor,
-                              failover=self.policy.after_break, rtt_s=self.rtt_s.get(target, 0.0))
+                              failover=self.policy.after_break, rtt_s=self.rtt_s.get(target, 0.0),
+                              client_started_ns=self._started_ns)
 
     def _put(self, item) -> bool:
         return self._q.put_many([item], self._stop)

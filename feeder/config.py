@@ -107,6 +107,9 @@ class StreamSpec:
     expected_fingerprint: str = ""
     dataset: str = ""
     bad_records: str = ""        # Kafka: "skip" | "fail" | "" (the source's default)
+    # Not part of the samples: when the trainer process that opened the stream started (ns
+    # since the epoch; 0: unknown). It fences a replaced trainer off its replacement's rank.
+    client_started_ns: int = 0
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -118,6 +121,7 @@ class StreamSpec:
         _positive("seq_len", self.seq_len, upper=MAX_SEQ_LEN)
         _positive("micro_batch", self.micro_batch, upper=MAX_MICRO_BATCH)
         _non_negative("seed", self.seed, upper=UINT64_MAX)
+        _non_negative("client_started_ns", self.client_started_ns, upper=UINT64_MAX)
         _non_negative("epoch", self.epoch, upper=UINT32_MAX)
         _non_negative("num_epochs", self.num_epochs, upper=UINT32_MAX)
         if self.epoch + self.num_epochs > UINT32_MAX:

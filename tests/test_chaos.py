@@ -44,7 +44,7 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
 def test_regression_seeds_are_pinned_to_the_scenarios_that_failed():
     from tests.chaos.scenario import PINNED
 
-    assert {666, 127, 17809, 543, 258} <= set(PINNED)
+    assert {666, 127, 17809, 543, 258, 200307} <= set(PINNED)
     assert Scenario.from_seed(17809).describe().endswith("faults=[blackhole(f0@b97+500ms)]")
     assert not set(COVERAGE) & set(PINNED)
 
@@ -93,3 +93,12 @@ def test_regression_seed_258_rank_disagreeing_on_micro_batch():
     """A rank asking for micro_batch 9 while its job ran with 8 on that feeder was served (and
     replaced the job's own stream of that rank) instead of being refused."""
     _run(258)
+
+
+def test_regression_seed_200307_a_replaced_process_reconnecting_after_a_sigterm():
+    """Found by the 500-scenario soak on the final code of the audit fixes: the feeder was
+    SIGTERMed while rank 0's process was reading, and a restarted process superseded it. The
+    replaced process reconnected before it learned it was replaced; its stream was then the
+    newest of the rank and displaced the live process, which stopped with FAILED_PRECONDITION.
+    Streams are now fenced by the trainer process's start time (client_started_ns)."""
+    _run(200307)

@@ -25,7 +25,8 @@ def engine():
 
 SPEC = StreamSpec(job="j", rank=2, world_size=4, seq_len=16, micro_batch=3, seed=7, shuffle=False, drop_last=True,
                   epoch=1, num_epochs=2, compression="zstd", compression_level=9, worker_index=1, num_workers=3,
-                  worker_phase=2, reshard=True, expected_fingerprint="f" * 8, dataset="d", bad_records="skip")
+                  worker_phase=2, reshard=True, expected_fingerprint="f" * 8, dataset="d", bad_records="skip",
+                  client_started_ns=2**63 + 5)
 
 
 def test_a_spec_survives_the_request_both_ways(engine):
@@ -33,8 +34,8 @@ def test_a_spec_survives_the_request_both_ways(engine):
     assert req.cursor == b"cur" and req.failover and req.rtt_us == 12300
     assert convert.spec_from_request(req, engine) == SPEC
     # what the client overrides: the round-robin phase after its own batch, reshard only at the start
-    req = convert.stream_request(SPEC, worker_phase=0, reshard=False, rtt_s=float("inf"))
-    assert (req.worker_phase, req.reshard, req.rtt_us, req.cursor) == (0, False, 0, b"")
+    req = convert.stream_request(SPEC, worker_phase=0, reshard=False, rtt_s=float("inf"), client_started_ns=4)
+    assert (req.worker_phase, req.reshard, req.rtt_us, req.cursor, req.client_started_ns) == (0, False, 0, b"", 4)
 
 
 @pytest.mark.parametrize("asked,rtt_ms,want", [

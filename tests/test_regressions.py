@@ -313,3 +313,47 @@ def test_a_refusal_raised_in_a_dataloader_worker_keeps_its_code(feeder):
         next(iter(dl))
     assert e.value.code == Code.FAILED_PRECONDITION and "micro_batch=4" in str(e.value)
     r0.close()
+
+
+# -- found by the 500-scenario soak (seed 200307) ------------------------------------------------
+
+def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, stream):
+    """A restarted trainer superseded the old one; the old one's stream had broken for another
+    reason (its feeder's SIGTERM), so it reconnected before it learned it was replaced. Its
+    stream was then the newest of the rank and displaced the live process. Now a feeder refuses a
+    rank's stream from a process that started before the one that last streamed the rank."""
+    from client.stream import ClientConfig, FeederClient
+
+    seq_len, mb, seed = 16, 2, 7
+    base = dict(job="fence", rank=0, world_size=1, seq_len=seq_len, micro_batch=mb, seed=seed, num_epochs=1)
+    t = time.time_ns()
+
+    def client(started_ns, cursor=None):
+        return FeederClient(ClientConfig(targets=(feeder.address,), cursor=cursor, read_ahead=1, retry_for_s=5,
+                                         spec=StreamSpec(**base, client_started_ns=started_ns)))
+
+    old = client(t)
+    got = [next(old) for _ in range(3)]
+    new = client(t + 10**9, got[-1].cursor)   # the restarted trainer, from the old one's checkpoint
+    got.append(next(new))
+    replaced = client(t, got[-2].cursor)    # the old trainer, reconnecting from where it stood
+    with pytest.raises(FeederError) as e:
+        next(replaced)
+    assert e.value.code == Code.FAILED_PRECONDITION and "replaced" in str(e.value), e.value
+    got += list(new)                         # the live trainer was not displaced
+    check_batches(got, stream, seq_len, expected_ids(stream, 0, 1, seq_len, seed))
+    for c in (old, new, replaced):
+        c.close()
+
+
+def _started_in_worker(_):
+    from client.config import process_started_ns
+    return process_started_ns()
+
+
+def test_dataloader_workers_share_their_trainers_start_time(feeder):
+    """The fence compares processes, not streams: a rank's DataLoader workers (spawned here)
+    and their reconnects must send their trainer's start time, not their own."""
+    ds = FeederDataset([feeder.address], job="fence-workers", rank=0, world_size=1, seq_len=16, micro_batch=2)
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.map(_started_in_worker, [0]) == [ds.spec.client_started_ns]

@@ -44,8 +44,13 @@ class Toxiproxy:
     kind = "toxiproxy"
 
     def __init__(self, binary: Path):
-        self.port = free_port()
-        self.proc = subprocess.Popen([str(binary), "-host", "127.0.0.1", "-port", str(self.port)],
+        self.binary, self.port = binary, free_port()
+        self.proxies: dict[str, tuple[str, str]] = {}   # name -> (listen, upstream), to restart with
+        self.n = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([str(self.binary), "-host", "127.0.0.1", "-port", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while True:
@@ -56,7 +61,16 @@ class Toxiproxy:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError("toxiproxy did not start")
                 time.sleep(0.1)
-        self.n = 0
+
+    def restart(self) -> None:
+        """A new server on the same API port with the same proxies on the same ports, without
+        toxics. Toxiproxy's API can hang for good (a DELETE of a toxic waiting on a pipe whose
+        far end was SIGSTOPped); the proxied connections drop, as in a reset."""
+        self.proc.kill()
+        self.proc.wait(10)
+        self._start()
+        for name, (listen, upstream) in self.proxies.items():
+            self._call("POST", "/proxies", {"name": name, "listen": listen, "upstream": upstream, "enabled": True})
 
     def _call(self, method: str, path: str, body: dict | None = None):
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
@@ -70,7 +84,12 @@ class Toxiproxy:
         name = f"p{self.n}"
         r = self._call("POST", "/proxies", {"name": name, "listen": "127.0.0.1:0", "upstream": upstream,
                                             "enabled": True})
+        self.proxies[name] = (r["listen"], upstream)
         return ToxiProxy(self, name, r["listen"])
+
+    def drop(self, name: str) -> None:
+        self.proxies.pop(name, None)
+        self._call("DELETE", f"/proxies/{name}")
 
     def close(self) -> None:
         self.proc.kill()

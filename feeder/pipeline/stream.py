@@ -114,6 +114,9 @@ class Job:
     ranks: dict[int, RankState] = field(default_factory=dict)
     streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
     idle_since: float | None = None   # monotonic time its last stream closed
+    # rank -> start time of the newest trainer process that streamed it (StreamSpec.client_started_ns).
+    # Kept when its stream closes: that is when a replaced process may come back.
+    started_ns: dict[int, int] = field(default_factory=dict)
 
 
 # What every rank of a job must share: the samples (dataset .. drop_last) and how many batches
@@ -162,6 +165,10 @@ class Jobs:
         self.evict_idle()
         key = job_key(spec)
         j = self.jobs.get(spec.job)
+        started_ns = {}
+        if j is not None:
+            fence(j, spec)
+            started_ns = j.started_ns
         if j is not None and j.key != key:
             if j.streams:
                 # Live ranks define the job; a rank with other parameters would get other samples.
@@ -170,7 +177,10 @@ class Jobs:
                                          f"{name}={theirs!r}. Every rank of a job must agree.")
             j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
         if j is None:
-            j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size)
+            j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size,
+                                          started_ns=started_ns)
+        if spec.client_started_ns:
+            j.started_ns[spec.rank] = max(spec.client_started_ns, j.started_ns.get(spec.rank, 0))
         slot = (spec.rank, spec.worker_index)
         old = j.streams.get(slot)
         if old is not None:
@@ -200,6 +210,26 @@ class Jobs:
     @property
     def streams_open(self) -> int:
         return sum(len(j.streams) for j in self.jobs.values())
+
+
+def fence(job: Job, spec: StreamSpec) -> None:  # the caller records the time once the stream is accepted
+    """Refuse a stream from a trainer process older than the newest that streamed the rank.
+
+    The newest stream of a rank wins, which is how a restarted trainer takes its rank over. But
+    a replaced process whose own stream broke for another reason (a reset, the feeder's
+    SIGTERM) reconnects without knowing it was replaced; its stream would then be the newest
+    and displace the live process. Ordering by the process's start time instead of the
+    stream's keeps the replacement. Workers of one process share its start time, and a
+    process reconnecting has the time it had, so both still take their slot over. 0 (an older
+    client) is not fenced and does not fence. Across hosts this relies on clocks agreeing to
+    much better than the time a restart takes (NTP: milliseconds)."""
+    t = spec.client_started_ns
+    newest = job.started_ns.get(spec.rank, 0)
+    if t and t < newest:
+        raise FailedPrecondition(
+            f"stream of job {spec.job!r} rank {spec.rank} comes from a trainer process that started "
+            f"{(newest - t) / 1e9:.3f} s before the one that last streamed this rank: it was replaced "
+            "(a restarted trainer took the rank over), so it may not take the rank back")
 
 
 class RankStream:

@@ -98,14 +98,16 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       epoch=r.epoch, num_epochs=r.num_epochs, compression=compression, compression_level=level,
                       worker_index=r.worker_index, num_workers=max(1, r.num_workers),
                       worker_phase=r.worker_phase, reshard=r.reshard,
-                      expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records)
+                      expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records,
+                      client_started_ns=r.client_started_ns)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
-                   reshard: bool | None = None, failover: bool = False, rtt_s: float = 0.0) -> pb.StreamRequest:
+                   reshard: bool | None = None, failover: bool = False, rtt_s: float = 0.0,
+                   client_started_ns: int | None = None) -> pb.StreamRequest:
     """The StreamRequest of a spec: the inverse of spec_from_request (which also fills in the
-    feeder's choices). worker_phase and reshard default to the spec's; rtt_s (inf: unknown) lets
-    the feeder tell a remote rank."""
+    feeder's choices). worker_phase, reshard and client_started_ns default to the spec's; rtt_s
+    (inf: unknown) lets the feeder tell a remote rank."""
     s = spec
     return pb.StreamRequest(
         job=s.job, rank=s.rank, world_size=s.world_size, seq_len=s.seq_len, micro_batch=s.micro_batch,
@@ -115,7 +117,8 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         worker_phase=s.worker_phase if worker_phase is None else worker_phase,
         reshard=s.reshard if reshard is None else reshard, expected_fingerprint=s.expected_fingerprint,
         dataset=s.dataset, failover=failover, bad_records=s.bad_records,
-        rtt_us=min(int(rtt_s * 1e6), 2**32 - 1) if rtt_s != float("inf") else 0)
+        rtt_us=min(int(rtt_s * 1e6), 2**32 - 1) if rtt_s != float("inf") else 0,
+        client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns)
 
 
 def status_reply(status: ProcessStatus) -> pb.StatusReply:

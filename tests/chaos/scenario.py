@@ -200,3 +200,10 @@ _pin(
         compression='none', link_kbps=0, message_bytes=1048576, prefetch_messages=8, read_ahead=1, targets=1,
         processes=1, spread=False, failback_s=0.0, step_ms=0, ckpt_every=7, faults=(Fault(kind='disagree',
         at_batch=239, at_ms=0, rank=1, target=0, heal_ms=0, hold_ms=0, detail='micro_batch'),)))
+_pin(
+        Scenario(seed=200307, n_docs=40000, seq_len=256, micro_batch=8, world=1, workers=0, persistent=False,
+        context='', num_epochs=1, take=0, start_epoch=1, shuffle=True, drop_last=True, data_seed=211,
+        compression='none', link_kbps=0, message_bytes=1048576, prefetch_messages=8, read_ahead=1, targets=1,
+        processes=1, spread=False, failback_s=0.0, step_ms=0, ckpt_every=1, faults=(Fault(kind='sigterm',
+        at_batch=40, at_ms=0, rank=0, target=0, heal_ms=300, hold_ms=1000, detail=''), Fault(kind='supersede',
+        at_batch=117, at_ms=0, rank=0, target=0, heal_ms=0, hold_ms=0, detail=''))))

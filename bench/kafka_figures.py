@@ -93,7 +93,9 @@ def _source_tokens_s(cfg: BenchConfig, data: dict, topic: str, target: int) -> f
     """Tokens/s of the feeder's Kafka source in follow mode, batched and framed as a feeder
     does, until `target` tokens (all but the last, partial batches)."""
     from feeder.config import StreamSpec
-    from feeder.pipeline.batcher import block_from_batches
+    from feeder.cursor import CursorWriter
+    from feeder.pipeline.batcher import block_from_runs
+    from feeder.planning import PENDING
     from feeder.service.wire import encode_reply
     from feeder.sources.kafka import FollowPlan, KafkaSource, KafkaURL
 
@@ -102,13 +104,14 @@ def _source_tokens_s(cfg: BenchConfig, data: dict, topic: str, target: int) -> f
     spec = StreamSpec(job="bench", rank=0, world_size=1, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
                       num_epochs=0, compression="none")
     plan = FollowPlan(src, spec, None, "fail")
+    cursors = CursorWriter(plan.cursor_template(), b"")
     tokens, t0 = 0, time.monotonic()
-    for planned in plan.batches():
-        if planned is None:
+    for run in plan.runs():
+        if run is PENDING:
             if tokens >= 0.95 * target:
                 break
             continue
-        b = block_from_batches(src, [planned], seq_len=cfg.seq_len, compression="none", level=0, secret=b"")
+        b = block_from_runs(plan, [run], seq_len=cfg.seq_len, compression="none", level=0, cursors=cursors)
         encode_reply(b, "")   # what a feeder does with it, framing included
         tokens += b.n_tokens
         if tokens >= target:

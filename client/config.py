@@ -12,21 +12,28 @@ from feeder.errors import Code, FeederError
 from feeder.security import ClientSecurity
 
 PLAIN = ClientSecurity()
-STARTED_ENV = "FEEDER_CLIENT_STARTED_NS"
+_started_ns = 0
+
+
+def _forked() -> None:
+    global _started_ns
+    _started_ns = 0   # a forked child is a process of its own (a DataLoader worker gets its dataset's)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def process_started_ns() -> int:
-    """When this trainer process tree started using the feeder (ns since the Unix epoch).
+    """When this process started using the feeder (ns since the Unix epoch), taken at the first call.
 
-    Taken once, at the first call, and kept in the environment so that DataLoader workers
-    (forked or spawned) and their reconnects all send the same value. Feeders refuse a rank's
-    stream from a process that started before the one that last streamed the rank
-    (StreamSpec.client_started_ns), so a replaced trainer cannot take its rank back."""
-    value = os.environ.get(STARTED_ENV, "")
-    if not value.isdigit() or int(value) == 0:
-        value = str(time.time_ns())
-        os.environ[STARTED_ENV] = value
-    return int(value)
+    Feeders refuse a continued stream of a rank from a process that started before the one
+    that last opened the rank (StreamSpec.client_started_ns), so a replaced trainer cannot
+    take its rank back. FeederDataset takes it when it is made and hands it to its DataLoader
+    workers with the spec, so a rank's workers send their trainer's time."""
+    global _started_ns
+    if not _started_ns:
+        _started_ns = time.time_ns()
+    return _started_ns
 
 
 @dataclass(frozen=True, kw_only=True)

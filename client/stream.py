@@ -61,6 +61,7 @@ class FeederClient:
         self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
         self._phase = cfg.spec.worker_phase   # round-robin index of the batch after self.cursor
         self._started_ns = cfg.spec.client_started_ns or process_started_ns()   # fences a replaced trainer
+        self._opened = False              # every stream after the first continues it (StreamSpec.continued)
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
@@ -175,10 +176,11 @@ class FeederClient:
 
     # reader side
     def _request(self, target: str) -> pb.StreamRequest:
+        continued, self._opened = self._opened, True
         return stream_request(self.cfg.spec, self.cursor, worker_phase=self._phase,
                               reshard=self.cfg.spec.reshard and self.cursor == self.cfg.cursor,
                               failover=self.policy.after_break, rtt_s=self.rtt_s.get(target, 0.0),
-                              client_started_ns=self._started_ns)
+                              client_started_ns=self._started_ns, continued=continued)
 
     def _put(self, item) -> bool:
         return self._q.put_many([item], self._stop)

@@ -108,8 +108,10 @@ class StreamSpec:
     dataset: str = ""
     bad_records: str = ""        # Kafka: "skip" | "fail" | "" (the source's default)
     # Not part of the samples: when the trainer process that opened the stream started (ns
-    # since the epoch; 0: unknown). It fences a replaced trainer off its replacement's rank.
+    # since the epoch; 0: unknown), and whether the stream continues one the same client had
+    # open. Together they fence a replaced trainer off its replacement's rank (Jobs.attach).
     client_started_ns: int = 0
+    continued: bool = False
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -127,7 +129,7 @@ class StreamSpec:
         if self.epoch + self.num_epochs > UINT32_MAX:
             raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
                                   f"got {self.epoch} + {self.num_epochs}")
-        for flag in ("shuffle", "drop_last", "reshard"):
+        for flag in ("shuffle", "drop_last", "reshard", "continued"):
             _flag(flag, getattr(self, flag))
         # "": the feeder chooses, and it may choose zstd at this level.
         _compression("compression", self.compression or "zstd", self.compression_level)

@@ -116,6 +116,7 @@ class CursorWriter:
 
     def __init__(self, template: Cursor, secret: bytes):
         self.template = template
+        self.secret = secret
         key = secret or DEV_SECRET
         if len(key) > 64:
             key = hashlib.sha256(key).digest()
@@ -123,6 +124,10 @@ class CursorWriter:
         self._ipad = bytes(b ^ 0x36 for b in key)
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
         self._heads: dict[int, tuple[bytes, "hashlib._Hash"]] = {}   # world size -> head, inner hash
+
+    def encode(self, cursor: Cursor) -> bytes:
+        """One cursor a plan wrote whole (its position is more than the moving fields)."""
+        return cursor.encode(self.secret)
 
     def many(self, *, world: int, epoch: int, base: int, stops, first_step: int) -> list[bytes]:
         """Cursors after each batch of a run: positions `stops`, steps first_step + 1, + 2, ..."""

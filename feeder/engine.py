@@ -14,19 +14,18 @@ from typing import Callable
 from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor
-from feeder.errors import InvalidArgument, NotFound, Unavailable, WrongReplica
+from feeder.errors import InvalidArgument, NotFound, Unavailable
 from feeder.pipeline.batcher import Block
-from feeder.pipeline.plan import StreamPlan
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.siblings import Siblings
-from feeder.sources import TokenSource
+from feeder.sources import Source
 from feeder.process_status import JobStatus, ProcessStatus, RankStatus
 
 log = logging.getLogger("feeder.engine")
 
 
 class Engine:
-    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource],
+    def __init__(self, cfg: ServeConfig, sources: dict[str, Source],
                  serialize: Callable[[Block], bytes]):
         self.cfg = cfg
         self.serialize = serialize   # Block -> wire bytes, run on the pool threads
@@ -40,7 +39,7 @@ class Engine:
         self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
         self.version = __version__
 
-    def source(self, name: str) -> TokenSource:
+    def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
         if src is None:
             raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})", elsewhere=True)
@@ -71,18 +70,14 @@ class Engine:
                           failover: bool = False) -> RankStream:
         src = self.source(spec.dataset)
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
-        if hasattr(src, "plan_for"):
-            # Kafka decides per job what an epoch is, and may read a topic to find out: off the loop.
-            plan, data = await asyncio.to_thread(src.plan_for, spec, decoded)
-        else:
-            if spec.expected_fingerprint and spec.expected_fingerprint != src.fingerprint:
-                raise WrongReplica(
-                    f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
-                    f"replica of {src.name!r} (region {self.cfg.region}) has {src.fingerprint}; refusing to serve "
-                    "other data")
-            plan, data = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=decoded), src
-        stream = RankStream(spec, plan, data, self.cfg, self.pool, self.serialize)
-        stream.state = self.jobs.attach(spec, stream)
+        # Off the loop: a source may read to plan (Kafka decides per job what an epoch is).
+        plan = await asyncio.to_thread(src.plan, spec, decoded)
+        stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize)
+        try:
+            stream.state = self.jobs.attach(spec, stream)
+        except BaseException:
+            plan.close()   # refused: the plan's reader or register entry must not outlive it
+            raise
         stream.state.peer = peer
         stream.state.last_error = ""
         stream.state.failovers += failover
@@ -126,20 +121,11 @@ class Engine:
         st.step_s += max(0.0, step_s)
         if position is not None:
             st.consumed = position
-            self._commit_taken(j, rank, position)
+            stream = j.streams.get((rank, 0))
+            if stream is not None:
+                stream.plan.taken(position[1])
         if batches and step_s > 0:
             st.taken_rate = batches * st.micro_batch * (st.seq_len + 1) / step_s
-
-    def _commit_taken(self, j, rank: int, position: tuple[int, int]) -> None:
-        """Kafka follow with a consumer group: pass on the offsets this rank's loop has taken."""
-        stream = j.streams.get((rank, 0))
-        src = self.sources.get(j.dataset or self.default)
-        offsets_at = getattr(stream.plan, "offsets_at", None) if stream is not None else None
-        if offsets_at is None or not hasattr(src, "commit_taken"):
-            return
-        offsets = offsets_at(position[1])
-        if offsets is not None:
-            src.commit_taken(j.job, rank, j.world_size, offsets)
 
     def rss_mb(self) -> float:
         try:
@@ -158,8 +144,7 @@ class Engine:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for src in self.sources.values():
-            if hasattr(src, "close"):
-                src.close()
+            src.close()
         if self.ledger:
             self.ledger.close()
 

@@ -1,9 +1,9 @@
-"""A rank's stream as a sequence of planned batches: ids and the cursor after each.
+"""A rank's stream as runs of planned batches: ids and the cursor after each.
 
 No threads, no I/O: the arithmetic of where a stream starts (fresh, resumed, or re-dealt
 to another world size) and which ids each batch holds. It sits below both `feeder.sources`
-and `feeder.pipeline` (which re-exports it as `feeder.pipeline.plan`) because a source may
-plan its own streams (Kafka) and must not import the pipeline that consumes it.
+and `feeder.pipeline` (which re-exports it as `feeder.pipeline.plan`) because every source
+makes the plans of its streams (`Source.plan`) and must not import the pipeline that consumes them.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from feeder import sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor
 from feeder.errors import FailedPrecondition
+from feeder.sampling_key import cursor_mismatch
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,27 @@ class PlannedBatch:
     tokens: np.ndarray | None = None   # set by plans that read tokens themselves (Kafka follow)
 
 
+class Pending:
+    """What a plan yields when its next run is not ready yet (a tailed topic has no new record):
+    the pipeline sends what it has built and asks again. A plan of a fixed dataset never does."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = Pending()
+
+
 @dataclass(frozen=True)
 class PlannedRun:
     """Consecutive batches of one epoch, column-wise: batch j holds positions
-    [stops[j-1], stops[j]) of the rank's list (the first from `start`) and has step step + j."""
+    [stops[j-1], stops[j]) of the rank's list (the first from `start`) and has step step + j.
+
+    `tokens` and `cursors` are set only by a plan that reads its samples itself and whose
+    position is not (epoch, base, pos, step) alone (Kafka follow); otherwise the pipeline reads
+    the rows where `Plan.locate` says they lie, and writes the cursors from the columns."""
     epoch: int
     base: int
     world: int
@@ -49,27 +67,52 @@ class PlannedRun:
     ids: np.ndarray        # int64 [stops[-1] - start]
     stops: np.ndarray      # int64 [k]: the rank's position after each batch (its cursor's pos)
     samples_in_epoch: int
+    tokens: np.ndarray | None = None          # [len(ids), seq_len + 1], read by the plan
+    cursors: tuple[Cursor, ...] | None = None  # [k], written by the plan
 
     def __len__(self) -> int:
         return len(self.stops)
 
+    def one(self, j: int) -> "PlannedRun":
+        """Batch j alone, as a run."""
+        a = (int(self.stops[j - 1]) if j else self.start) - self.start
+        b = int(self.stops[j]) - self.start
+        tok, cur = self.tokens, self.cursors
+        return PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + a,
+                          step=self.step + j, ids=self.ids[a:b], stops=self.stops[j:j + 1],
+                          samples_in_epoch=self.samples_in_epoch, tokens=None if tok is None else tok[a:b],
+                          cursors=None if cur is None else cur[j:j + 1])
+
     def split(self, k: int) -> tuple["PlannedRun", "PlannedRun"]:
         """The first k batches, and the rest."""
-        cut = int(self.stops[k - 1])
+        cut = int(self.stops[k - 1]) - self.start   # samples in the first k batches
+        tok, cur = self.tokens, self.cursors
         head = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start, step=self.step,
-                          ids=self.ids[:cut - self.start], stops=self.stops[:k], samples_in_epoch=self.samples_in_epoch)
-        tail = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=cut, step=self.step + k,
-                          ids=self.ids[cut - self.start:], stops=self.stops[k:], samples_in_epoch=self.samples_in_epoch)
+                          ids=self.ids[:cut], stops=self.stops[:k], samples_in_epoch=self.samples_in_epoch,
+                          tokens=None if tok is None else tok[:cut], cursors=None if cur is None else cur[:k])
+        tail = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + cut,
+                          step=self.step + k, ids=self.ids[cut:], stops=self.stops[k:],
+                          samples_in_epoch=self.samples_in_epoch,
+                          tokens=None if tok is None else tok[cut:], cursors=None if cur is None else cur[k:])
         return head, tail
 
 
 class StreamPlan:
+    """The plan of a rank's stream over a fixed dataset of n_tokens tokens (a `Plan`).
+
+    `data` is where the rows lie (its `locate(starts, n)` and `dtype`: a PosixSource, or the
+    snapshot of a Kafka epoch); None for plans used only for their arithmetic (tests, audit)."""
+
+    executor = None   # the pipeline's shared pool: planning and locating rows never block
+
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
-                 src: str = ""):
+                 src: str = "", data=None):
         self.spec = spec
         self.fingerprint = fingerprint
         self.src = src               # carried in every cursor (Kafka bounded: the frozen offset ranges)
-        self.bad_records = 0
+        self.data = data
+        self.dtype = data.dtype if data is not None else np.dtype(np.uint32)
+        self.bad_records = 0         # records a Kafka epoch skipped (set by its source)
         self.n = sampler.n_samples(n_tokens, spec.seq_len)
         if self.n == 0:
             raise FailedPrecondition(f"the dataset has {n_tokens} tokens, too few for one sample of "
@@ -83,24 +126,9 @@ class StreamPlan:
         s = self.spec
         if c is None:
             return Start(epoch=s.epoch, base=0, world=s.world_size, pos=0, step=0)
-        mismatches = [(name, theirs, ours) for name, theirs, ours in (
-            ("job", c.job, s.job),
-            ("dataset fingerprint", c.fingerprint, self.fingerprint),
-            ("seq_len", c.seq_len, s.seq_len),
-            ("seed", c.seed, s.seed),
-            ("shuffle", c.shuffle, s.shuffle),
-            ("drop_last", c.drop_last, s.drop_last),
-        ) if theirs != ours]
-        if not s.reshard:
-            mismatches += [(name, theirs, ours) for name, theirs, ours in (
-                ("world_size", c.world_size, s.world_size), ("rank", c.rank, s.rank)) if theirs != ours]
-        if mismatches:
-            name, theirs, ours = mismatches[0]
-            hint = " (set reshard to re-deal the epoch's remaining samples over a new world size)" \
-                if name in ("world_size", "rank") else ""
-            raise FailedPrecondition(f"cursor does not fit this stream: {name} differs: the cursor has "
-                                     f"{theirs!r}, the request has {ours!r}{hint}",
-                                     elsewhere=name == "dataset fingerprint")  # this replica's data
+        wrong = cursor_mismatch(c, s, self.fingerprint)
+        if wrong is not None:
+            raise wrong
         if s.reshard:
             if c.pos >= sampler.per_rank(self.n - c.base, c.world_size, s.drop_last):
                 # The old dealing ran to its end, and so did the epoch: what drop_last left out
@@ -109,6 +137,17 @@ class StreamPlan:
             base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
         return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)
+
+    @property
+    def lag(self) -> dict[int, int]:
+        return {}
+
+    def locate(self, starts: np.ndarray, n: int):
+        """Where rows [starts[i], starts[i] + n) of the dataset lie (Rows, or the tokens)."""
+        return self.data.locate(starts, n)
+
+    def taken(self, step: int) -> None:
+        """The rank's training loop has taken the batch of `step`: nothing to pass on."""
 
     def close(self) -> None:
         pass

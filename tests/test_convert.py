@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,7 @@ from feeder.v1 import feeder_pb2 as pb
 @pytest.fixture
 def engine():
     e = Engine(ServeConfig(source="unused", default_compression="none", default_level=5, remote_rtt_ms=5.0),
-               {"data": object()}, serialize=bytes)
+               {"data": SimpleNamespace(close=lambda: None)}, serialize=bytes)
     yield e
     e.close()
 
@@ -26,7 +27,7 @@ def engine():
 SPEC = StreamSpec(job="j", rank=2, world_size=4, seq_len=16, micro_batch=3, seed=7, shuffle=False, drop_last=True,
                   epoch=1, num_epochs=2, compression="zstd", compression_level=9, worker_index=1, num_workers=3,
                   worker_phase=2, reshard=True, expected_fingerprint="f" * 8, dataset="d", bad_records="skip",
-                  client_started_ns=2**63 + 5)
+                  client_started_ns=2**63 + 5, continued=True)
 
 
 def test_a_spec_survives_the_request_both_ways(engine):
@@ -34,8 +35,10 @@ def test_a_spec_survives_the_request_both_ways(engine):
     assert req.cursor == b"cur" and req.failover and req.rtt_us == 12300
     assert convert.spec_from_request(req, engine) == SPEC
     # what the client overrides: the round-robin phase after its own batch, reshard only at the start
-    req = convert.stream_request(SPEC, worker_phase=0, reshard=False, rtt_s=float("inf"), client_started_ns=4)
-    assert (req.worker_phase, req.reshard, req.rtt_us, req.cursor, req.client_started_ns) == (0, False, 0, b"", 4)
+    req = convert.stream_request(SPEC, worker_phase=0, reshard=False, rtt_s=float("inf"), client_started_ns=4,
+                                 continued=False)
+    assert (req.worker_phase, req.reshard, req.rtt_us, req.cursor, req.client_started_ns, req.continued) == \
+        (0, False, 0, b"", 4, False)
 
 
 @pytest.mark.parametrize("asked,rtt_ms,want", [

@@ -222,6 +222,12 @@ class _Src:
     url = KafkaURL(bootstrap="h:1", topic="t", mode="follow")
     dtype = U16
 
+    def __init__(self):
+        self.commits = []
+
+    def commit_taken(self, job, rank, world, offsets):
+        self.commits.append((job, rank, world, offsets))
+
 
 def follow_plan(parts, rank, world, cursor=None, seq_len=5, mb=2):
     spec = StreamSpec(job="j", rank=rank, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0)
@@ -276,3 +282,28 @@ def test_follow_plan_refuses_a_cursor_of_another_stream():
     with pytest.raises(FailedPrecondition, match="dataset fingerprint differs"):
         follow_plan(parts, 0, 1, cursor=dataclasses.replace(cursor, fingerprint="kafka-follow:other"))
     assert json.loads(cursor.src)["P"] == 2
+
+
+def test_follow_plan_runs_carry_tokens_and_cursors_and_commit_what_the_loop_took():
+    """The seam: a follow plan's runs are its batches (one each), with the tokens it read and
+    the cursors it wrote; `taken(step)` passes that batch's offsets to the consumer group."""
+    from feeder.planning import PENDING
+
+    parts = [[[1, 2, 3, 4, 5, 6, 7]] * 6, [[8, 9, 10, 11, 12, 13]] * 6]
+    plan, _ = follow_plan(parts, rank=0, world=1)
+    runs = []
+    for run in plan.runs():
+        if run is PENDING:
+            break
+        runs.append(run)
+        if len(runs) == 3:
+            break
+    batches = list(follow_plan(parts, rank=0, world=1)[0].batches())
+    for run, b in zip(runs, batches):
+        assert len(run) == 1 and run.step == b.step and run.cursors == (b.cursor,)
+        assert np.array_equal(run.tokens, b.tokens) and np.array_equal(run.ids, b.ids)
+    plan.taken(1)
+    (job, rank, world, offsets), = plan._commit.__self__.commits
+    assert (job, rank, world) == ("j", 0, 1) and offsets == plan.offsets_at(1)
+    plan.taken(10**6)   # not remembered: nothing to commit
+    assert len(plan._commit.__self__.commits) == 1

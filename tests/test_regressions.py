@@ -320,9 +320,12 @@ def test_a_refusal_raised_in_a_dataloader_worker_keeps_its_code(feeder):
 def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, stream):
     """A restarted trainer superseded the old one; the old one's stream had broken for another
     reason (its feeder's SIGTERM), so it reconnected before it learned it was replaced. Its
-    stream was then the newest of the rank and displaced the live process. Now a feeder refuses a
-    rank's stream from a process that started before the one that last streamed the rank."""
+    stream was then the newest of the rank and displaced the live process. Now a feeder refuses
+    a continued stream of a rank from a process that started before the one that last opened
+    the rank; a first stream from an older process (a pool reusing a job name) still opens."""
     from client.stream import ClientConfig, FeederClient
+    from feeder.service.convert import stream_request
+    from feeder.v1 import feeder_pb2_grpc as pb_grpc
 
     seq_len, mb, seed = 16, 2, 7
     base = dict(job="fence", rank=0, world_size=1, seq_len=seq_len, micro_batch=mb, seed=seed, num_epochs=1)
@@ -336,24 +339,26 @@ def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, strea
     got = [next(old) for _ in range(3)]
     new = client(t + 10**9, got[-1].cursor)   # the restarted trainer, from the old one's checkpoint
     got.append(next(new))
-    replaced = client(t, got[-2].cursor)    # the old trainer, reconnecting from where it stood
-    with pytest.raises(FeederError) as e:
-        next(replaced)
-    assert e.value.code == Code.FAILED_PRECONDITION and "replaced" in str(e.value), e.value
+    # the old trainer reconnecting from where it stood, as its client does after a break
+    request = stream_request(StreamSpec(**base), got[-2].cursor, client_started_ns=t, continued=True)
+    with grpc.insecure_channel(feeder.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(pb_grpc.FeederStub(ch).Stream(request, timeout=10)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "replaced" in e.value.details()
     got += list(new)                         # the live trainer was not displaced
     check_batches(got, stream, seq_len, expected_ids(stream, 0, 1, seq_len, seed))
-    for c in (old, new, replaced):
+    again = client(t)                        # a first stream of an older process opens
+    assert next(again).step == 0
+    for c in (old, new, again):
         c.close()
 
 
-def _started_in_worker(_):
-    from client.config import process_started_ns
-    return process_started_ns()
-
-
-def test_dataloader_workers_share_their_trainers_start_time(feeder):
-    """The fence compares processes, not streams: a rank's DataLoader workers (spawned here)
-    and their reconnects must send their trainer's start time, not their own."""
+def test_dataloader_workers_send_their_trainers_start_time(feeder):
+    """The fence compares processes: a rank's DataLoader workers (spawned, so each has its own
+    clock of first use) must send their trainer's start time, which the dataset carries."""
     ds = FeederDataset([feeder.address], job="fence-workers", rank=0, world_size=1, seq_len=16, micro_batch=2)
-    with mp.get_context("spawn").Pool(1) as pool:
-        assert pool.map(_started_in_worker, [0]) == [ds.spec.client_started_ns]
+    dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=mp.get_context("spawn"))
+    for k, _ in enumerate(dl):
+        if k == 3:
+            break
+    assert feeder.server.engine.jobs.get("fence-workers").started_ns == {0: ds.spec.client_started_ns}

@@ -289,13 +289,13 @@ def test_jobs_without_streams_are_forgotten_after_the_idle_ttl():
 def test_read_many_equals_read_across_chunks_and_shards(dataset, monkeypatch, native):
     """The run reader (locate, then one memcpy per row) against the per-sample reader, with samples that
     cross record-batch and shard boundaries; with the C gather and with numpy's (no compiler)."""
+    from feeder import rows
     from feeder.errors import InvalidArgument
-    from feeder.sources import posix
     from feeder.sources.posix import open_source
 
-    assert posix._gather is not None   # built at install
+    assert rows._gather is not None   # built at install
     if not native:
-        monkeypatch.setattr(posix, "_gather", None)
+        monkeypatch.setattr(rows, "_gather", None)
 
     src = open_source(str(dataset))
     n = 65
@@ -318,14 +318,15 @@ def test_read_many_equals_read_across_chunks_and_shards(dataset, monkeypatch, na
                                                                    (1, 0, 5, False, "none")])
 def test_fast_path_frames_exactly_what_the_batch_by_batch_path_frames(dataset, world, rank, mb, drop_last,
                                                                          compression):
-    """Runs planned column-wise (the fast path) against batches planned one by one, over two
-    epochs with a short last batch: the same reply bytes, batch for batch."""
+    """Runs of many batches against the same batches one run each (as a DataLoader worker's
+    share goes), over two epochs with a short last batch: the same reply bytes, and the cursors
+    the plan's own batches() writes."""
     import dataclasses
 
     from feeder import sampler
     from feeder.config import StreamSpec
     from feeder.cursor import CursorWriter
-    from feeder.pipeline.batcher import block_from_batches, block_from_runs
+    from feeder.pipeline.batcher import block_from_runs
     from feeder.pipeline.plan import StreamPlan
     from feeder.service.wire import encode_reply
     from feeder.sources.posix import open_source
@@ -333,18 +334,22 @@ def test_fast_path_frames_exactly_what_the_batch_by_batch_path_frames(dataset, w
     src = open_source(str(dataset))
     spec = StreamSpec(job="j", rank=rank, world_size=world, seq_len=64, micro_batch=mb, num_epochs=2,
                       drop_last=drop_last, compression=compression)
-    plan = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=None)
+    plan = src.plan(spec, None)
     while sampler.per_rank(plan.n, world, drop_last) % spec.micro_batch == 0:   # want a short last batch
         spec = dataclasses.replace(spec, micro_batch=spec.micro_batch + 1)
-        plan = StreamPlan(spec, n_tokens=src.n_tokens, fingerprint=src.fingerprint, cursor=None)
+        plan = src.plan(spec, None)
     runs = list(plan.runs(5))
     batches = list(plan.batches())
     assert sum(map(len, runs)) == len(batches) and {r.epoch for r in runs} == {0, 1}
     assert any(len(b.ids) < spec.micro_batch for b in batches)
-    fast = block_from_runs(src, runs, seq_len=64, compression=compression, level=3,
+    fast = block_from_runs(plan, runs, seq_len=64, compression=compression, level=3,
                            cursors=CursorWriter(plan.cursor_template(), b"s"))
-    slow = block_from_batches(src, batches, seq_len=64, compression=compression, level=3, secret=b"s")
+    singles = [r.one(j) for r in runs for j in range(len(r))]
+    slow = block_from_runs(plan, singles, seq_len=64, compression=compression, level=3,
+                           cursors=CursorWriter(plan.cursor_template(), b"s"))
     assert encode_reply(fast, "r") == encode_reply(slow, "r")
+    assert fast.cursors == [b.cursor.encode(b"s") for b in batches]
+    assert [b.ids.tolist() for b in batches] == [s.ids.tolist() for s in singles]
     # and split at every point a message may cut a run
     head, tail = runs[0].split(2)
     assert list(head.stops) + list(tail.stops) == list(runs[0].stops) and tail.step == runs[0].step + 2

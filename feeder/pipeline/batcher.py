@@ -1,6 +1,6 @@
-"""Planned batches -> a Block: where their tokens lie in the source (or, compressed or from
-a source without `locate`, the tokens gathered in one pass), cursors written, payloads
-compressed. One Block is what one reply carries.
+"""Planned runs -> a Block: where their tokens lie (`Plan.locate`; gathered in one pass when
+compressed, or taken from runs that carry them), cursors written, payloads compressed. One
+Block is what one reply carries; this is the one way a Block is built, whatever the source.
 
 Runs on the prefetch threads; the copies, zstd and (in the wire writer) crc32c release the
 GIL. A feeder process serves every rank from one GIL, so the work here is done per block (one
@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 
 from feeder.cursor import CursorWriter
-from feeder.pipeline.plan import PlannedBatch, PlannedRun
-from feeder.sources import TokenSource
-from feeder.sources.posix import Rows
+from feeder.planning import PlannedRun
+from feeder.rows import Rows
+from feeder.sources import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +67,6 @@ class Block:
         return [0, *np.cumsum(self.counts).tolist()]
 
 
-def read_tokens(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """[len(ids), seq_len + 1] tokens; sample i starts at token i * seq_len. Sources with
-    read_many cut them in one call (a memcpy per row), others are read sample by sample."""
-    if hasattr(source, "read_many"):
-        return source.read_many(ids * seq_len, seq_len + 1)
-    out = np.empty((len(ids), seq_len + 1), dtype=source.dtype)
-    for row, sample in zip(out, ids.tolist()):
-        source.read(sample * seq_len, row)
-    return out
-
-
 _NAMES: dict[np.dtype, str] = {}   # dtype.name is computed on every access (~14 us)
 _CODECS: dict[int, pa.Codec] = {}
 
@@ -89,16 +78,13 @@ def _zstd(level: int) -> pa.Codec:
     return codec
 
 
-def _block(tokens: np.ndarray | Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
+def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
            samples_in_epoch: int, read_s: float, dtype: np.dtype) -> Block:
-    rows, payloads = None, None
-    if isinstance(tokens, Rows) and compression == "none":   # the reply writer cuts them into the reply
-        rows, tokens = tokens, None
-        sample_len = rows.n
-        raw_bytes = len(rows) * sample_len * dtype.itemsize
-    else:
-        tokens = np.ascontiguousarray(tokens.gather(dtype) if isinstance(tokens, Rows) else tokens)
-        dtype, sample_len, raw_bytes = tokens.dtype, tokens.shape[1], tokens.nbytes
+    tokens, payloads = None, None
+    sample_len = rows.n
+    raw_bytes = len(rows) * sample_len * dtype.itemsize
+    if compression != "none":   # (uncompressed, the reply writer cuts the rows into the reply)
+        tokens, rows = rows.gather(dtype), None
         if compression == "zstd":
             codec, at = _zstd(level), 0
             payloads = []
@@ -112,12 +98,16 @@ def _block(tokens: np.ndarray | Rows, *, ids, counts, epochs, steps, cursors, co
                  payload_bytes=raw_bytes if payloads is None else sum(map(len, payloads)))
 
 
-def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
+def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
                     cursors: CursorWriter) -> Block:
-    """The fast path: runs planned column-wise, all their tokens read in one pass."""
+    """Consecutive runs of one stream as a Block: their rows located (or the tokens the plan
+    read, for runs that carry them: a plan's runs all do or all do not) in one pass."""
     ids = runs[0].ids if len(runs) == 1 else np.concatenate([r.ids for r in runs])
     t0 = time.perf_counter()
-    tokens = source.locate(ids * seq_len, seq_len + 1) if hasattr(source, "locate") else read_tokens(source, ids, seq_len)
+    if runs[0].tokens is None:
+        rows = plan.locate(ids * seq_len, seq_len + 1)
+    else:
+        rows = Rows.of(runs[0].tokens if len(runs) == 1 else np.concatenate([r.tokens for r in runs]))
     read_s = time.perf_counter() - t0
     # The columns as Python lists, one numpy call each at the end: a message may hold several
     # short runs (an epoch ends inside it), and small numpy calls per run cost more than the loop.
@@ -127,29 +117,13 @@ def block_from_runs(source: TokenSource, runs: list[PlannedRun], *, seq_len: int
     steps: list[int] = []
     for r in runs:
         stops = r.stops.tolist()
-        written += cursors.many(world=r.world, epoch=r.epoch, base=r.base, stops=stops, first_step=r.step)
+        if r.cursors is None:
+            written += cursors.many(world=r.world, epoch=r.epoch, base=r.base, stops=stops, first_step=r.step)
+        else:
+            written += [cursors.encode(c) for c in r.cursors]
         counts += [b - a for a, b in zip([r.start, *stops], stops)]
         epochs += [r.epoch] * len(stops)
         steps += range(r.step, r.step + len(stops))
-    return _block(tokens, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
+    return _block(rows, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
                   steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
-                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=source.dtype)
-
-
-def block_from_batches(source: TokenSource, planned: list[PlannedBatch], *, seq_len: int, compression: str,
-                       level: int, secret: bytes) -> Block:
-    """Batches one by one (a rank's worker share, Kafka follow): those that came with their
-    tokens keep them, the rest are read in one pass."""
-    ids = np.concatenate([p.ids for p in planned]).astype(np.int64, copy=False)
-    t0 = time.perf_counter()
-    if any(p.tokens is not None for p in planned):
-        tokens = np.concatenate([p.tokens if p.tokens is not None else read_tokens(source, p.ids, seq_len)
-                                 for p in planned])
-    else:
-        tokens = read_tokens(source, ids, seq_len)
-    read_s = time.perf_counter() - t0
-    return _block(tokens, ids=ids, counts=np.array([len(p.ids) for p in planned], dtype=np.int64),
-                  epochs=np.array([p.epoch for p in planned], dtype=np.int64),
-                  steps=np.array([p.step for p in planned], dtype=np.int64),
-                  cursors=[p.cursor.encode(secret) for p in planned], compression=compression, level=level,
-                  samples_in_epoch=planned[-1].samples_in_epoch, read_s=read_s, dtype=source.dtype)
+                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=plan.dtype)

@@ -19,12 +19,12 @@ from typing import AsyncIterator, Callable, Iterator
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import FailedPrecondition, FeederError, NotFound
 from feeder.cursor import CursorWriter
-from feeder.pipeline.batcher import Block, block_from_batches, block_from_runs
-from feeder.pipeline.plan import PlannedBatch, PlannedRun, StreamPlan
-from feeder.sources import TokenSource
+from feeder.pipeline.batcher import Block, block_from_runs
+from feeder.planning import PENDING, Pending, PlannedRun
+from feeder.sampling_key import job_key, job_mismatch
+from feeder.sources import Plan
 
 log = logging.getLogger("feeder.stream")
-_DONE = object()
 MAX_BATCHES_PER_MESSAGE = 256
 
 # Upper bounds (seconds) of the source read latency histogram.
@@ -114,21 +114,9 @@ class Job:
     ranks: dict[int, RankState] = field(default_factory=dict)
     streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
     idle_since: float | None = None   # monotonic time its last stream closed
-    # rank -> start time of the newest trainer process that streamed it (StreamSpec.client_started_ns).
+    # rank -> start time of the trainer process that last opened it (StreamSpec.client_started_ns).
     # Kept when its stream closes: that is when a replaced process may come back.
     started_ns: dict[int, int] = field(default_factory=dict)
-
-
-# What every rank of a job must share: the samples (dataset .. drop_last) and how many batches
-# each rank gets (micro_batch, the epochs): ranks that disagree on the latter would run
-# different numbers of steps, and the ones that finish first leave the others hanging in
-# their collectives.
-KEY_NAMES = ("dataset", "world_size", "seq_len", "seed", "shuffle", "drop_last", "micro_batch", "epoch",
-             "num_epochs")
-
-
-def job_key(spec: StreamSpec) -> tuple:
-    return tuple(getattr(spec, name) for name in KEY_NAMES)
 
 
 def unknown_job(job: str, known) -> NotFound:
@@ -172,15 +160,13 @@ class Jobs:
         if j is not None and j.key != key:
             if j.streams:
                 # Live ranks define the job; a rank with other parameters would get other samples.
-                name, ours, theirs = next((n, a, b) for n, a, b in zip(KEY_NAMES, j.key, key) if a != b)
-                raise FailedPrecondition(f"job {spec.job!r} is running with {name}={ours!r}; this stream asks for "
-                                         f"{name}={theirs!r}. Every rank of a job must agree.")
+                raise job_mismatch(spec.job, j.key, key)
             j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
         if j is None:
             j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size,
                                           started_ns=started_ns)
         if spec.client_started_ns:
-            j.started_ns[spec.rank] = max(spec.client_started_ns, j.started_ns.get(spec.rank, 0))
+            j.started_ns[spec.rank] = spec.client_started_ns
         slot = (spec.rank, spec.worker_index)
         old = j.streams.get(slot)
         if old is not None:
@@ -213,29 +199,32 @@ class Jobs:
 
 
 def fence(job: Job, spec: StreamSpec) -> None:  # the caller records the time once the stream is accepted
-    """Refuse a stream from a trainer process older than the newest that streamed the rank.
+    """Refuse a continued stream from a trainer process older than the last that opened the rank.
 
     The newest stream of a rank wins, which is how a restarted trainer takes its rank over. But
     a replaced process whose own stream broke for another reason (a reset, the feeder's
     SIGTERM) reconnects without knowing it was replaced; its stream would then be the newest
-    and displace the live process. Ordering by the process's start time instead of the
-    stream's keeps the replacement. Workers of one process share its start time, and a
-    process reconnecting has the time it had, so both still take their slot over. 0 (an older
-    client) is not fenced and does not fence. Across hosts this relies on clocks agreeing to
-    much better than the time a restart takes (NTP: milliseconds)."""
+    and displace the live process (soak seed 200307). A reconnect is a continued stream, and
+    its process's start time says it is the older one. A first stream is not fenced: a process
+    that opens a rank afresh means to (a pool of processes reusing a job name, a new pass).
+    Workers of one process send its start time. 0 (an older client) is not fenced. Across
+    hosts this relies on clocks agreeing far better than a restart takes (NTP: milliseconds)."""
     t = spec.client_started_ns
-    newest = job.started_ns.get(spec.rank, 0)
-    if t and t < newest:
+    holder = job.started_ns.get(spec.rank, 0)
+    if spec.continued and t and t < holder:
         raise FailedPrecondition(
             f"stream of job {spec.job!r} rank {spec.rank} comes from a trainer process that started "
-            f"{(newest - t) / 1e9:.3f} s before the one that last streamed this rank: it was replaced "
+            f"{(holder - t) / 1e9:.3f} s before the one that last opened this rank: it was replaced "
             "(a restarted trainer took the rank over), so it may not take the rank back")
 
 
 class RankStream:
-    def __init__(self, spec: StreamSpec, plan: StreamPlan, source: TokenSource, cfg: ServeConfig,
-                 pool: ThreadPoolExecutor, serialize: Callable[[Block], bytes]):
-        self.spec, self.plan, self.source, self.cfg, self.pool = spec, plan, source, cfg, pool
+    def __init__(self, spec: StreamSpec, plan: Plan, cfg: ServeConfig, pool: ThreadPoolExecutor,
+                 serialize: Callable[[Block], bytes]):
+        self.spec, self.plan, self.cfg = spec, plan, cfg
+        # A plan that blocks on its source (tailing Kafka) brings a thread of its own, so it
+        # never holds the shared pool's threads away from other streams.
+        self.pool = plan.executor or pool
         self.serialize = serialize   # a message's wire bytes, built here on the pool threads
         self.state: RankState | None = None
         # The prefetch queue: messages built ahead, bounded in count and bytes.
@@ -247,14 +236,12 @@ class RankStream:
         self._deferred: FeederError | None = None
         self._producer: asyncio.Task | None = None
         self._cap = 1                # batches allowed in the next message (doubles up to the maximum)
-        self._raw_batch_bytes = spec.micro_batch * (spec.seq_len + 1) * source.dtype.itemsize
-        # The fast path: a plain sampled plan for a whole rank is taken in runs, planned,
-        # read and framed a block at a time. A rank's worker share and Kafka's follow plan go
-        # batch by batch.
-        self._runs = plan.runs(MAX_BATCHES_PER_MESSAGE) \
-            if isinstance(plan, StreamPlan) and spec.num_workers == 1 else None
+        self._raw_batch_bytes = spec.micro_batch * (spec.seq_len + 1) * plan.dtype.itemsize
+        # The stream is taken in runs: planned, read and framed a block at a time. A DataLoader
+        # worker's share is every num_workers-th batch, each a run of its own.
+        self._runs = self._selected() if spec.num_workers > 1 else plan.runs(MAX_BATCHES_PER_MESSAGE)
         self._rest: PlannedRun | None = None   # the part of a run the last message had no room for
-        self._cursors = CursorWriter(plan.cursor_template(), cfg.cursor_secret) if self._runs is not None else None
+        self._cursors = CursorWriter(plan.cursor_template(), cfg.cursor_secret)
 
     def supersede(self) -> None:
         """A newer stream of the same rank took over: end this one with a clear reason."""
@@ -279,66 +266,54 @@ class RankStream:
             self.plan.close()   # a plan blocked on its source (Kafka follow) lets its thread go
         self._changed.set()
 
-    def _selected(self) -> Iterator[PlannedBatch | None]:
-        # The round-robin count starts at the phase the worker asked for, not at 0: a worker
-        # reopening from its own last batch's cursor is one past its own index.
+    def _selected(self) -> Iterator[PlannedRun | Pending]:
+        """A DataLoader worker's share: batch k (counting from the cursor) is worker k mod W's.
+        The count starts at the phase the worker asked for, not at 0: a worker reopening from
+        its own last batch's cursor is one past its own index."""
         k, w, i = self.spec.worker_phase, self.spec.num_workers, self.spec.worker_index
-        for planned in self.plan.batches():
-            if planned is None:  # the plan would block (a tailed topic): flush what is built
-                yield None
+        for run in self.plan.runs(MAX_BATCHES_PER_MESSAGE):
+            if run is PENDING:
+                yield run
                 continue
-            if k % w == i:
-                yield planned
-            k += 1
+            for j in range((i - k) % w, len(run), w):
+                yield run.one(j)
+            k += len(run)
 
-    def _take_runs(self, want: int) -> list[PlannedRun]:
+    def _take(self, want: int) -> list[PlannedRun]:
+        """Up to `want` batches, as runs; fewer when the plan ends or has nothing ready (PENDING)."""
         out, got = [], 0
         while got < want:
-            run, self._rest = self._rest or next(self._runs, None), None
+            try:
+                run, self._rest = self._rest or next(self._runs, None), None
+            except FeederError as e:  # a plan that reads (Kafka: a bad record under bad_records=fail)
+                if not out:
+                    raise
+                self._deferred = e   # the good batches before it go out first
+                break
             if run is None:
                 break
+            if run is PENDING:  # nothing ready (a tailed topic): send what is taken
+                if out or self._finished:
+                    break
+                continue
             if len(run) > want - got:
                 run, self._rest = run.split(want - got)
             out.append(run)
             got += len(run)
         return out
 
-    def _take_batches(self, it: Iterator[PlannedBatch | None], want: int) -> list[PlannedBatch]:
-        out: list[PlannedBatch] = []
-        while len(out) < want:
-            try:
-                planned = next(it, _DONE)
-            except FeederError as e:  # a plan that reads (Kafka: a bad record under bad_records=fail)
-                if not out:
-                    raise
-                self._deferred = e   # the good batches before it go out first
-                break
-            if planned is _DONE:
-                break
-            if planned is None:  # the plan would block (a tailed topic): flush what is taken
-                if out or self._finished:
-                    break
-                continue
-            out.append(planned)
-        return out
-
-    def _block(self, items: list) -> Block:
+    def _block(self, runs: list[PlannedRun]) -> Block:
         s = self.spec
-        if self._runs is not None:
-            return block_from_runs(self.source, items, seq_len=s.seq_len, compression=s.compression,
-                                   level=s.compression_level, cursors=self._cursors)
-        return block_from_batches(self.source, items, seq_len=s.seq_len, compression=s.compression,
-                                  level=s.compression_level, secret=self.cfg.cursor_secret)
+        return block_from_runs(self.plan, runs, seq_len=s.seq_len, compression=s.compression,
+                               level=s.compression_level, cursors=self._cursors)
 
-    def _singles(self, items: list) -> Iterator[list]:
-        """The items as one-batch pieces, in order."""
-        for item in items:
-            while isinstance(item, PlannedRun) and len(item) > 1:
-                one, item = item.split(1)
-                yield [one]
-            yield [item]
+    def _singles(self, runs: list[PlannedRun]) -> Iterator[list[PlannedRun]]:
+        """The runs as one-batch pieces, in order."""
+        for run in runs:
+            for j in range(len(run)):
+                yield [run.one(j)]
 
-    def _build_message(self, it: Iterator[PlannedBatch | None]) -> tuple[Block, bytes] | None:
+    def _build_message(self) -> tuple[Block, bytes] | None:
         """Runs on a pool thread: the next message's batches, read, encoded and framed."""
         if self._deferred is not None:
             raise self._deferred
@@ -347,7 +322,7 @@ class RankStream:
         # megabyte; then messages fill up to message_bytes of tokens, but never with so many
         # small batches that one message takes long to build.
         want = max(1, min(self._cap, -(-self.cfg.message_bytes // self._raw_batch_bytes)))
-        items = self._take_runs(want) if self._runs is not None else self._take_batches(it, want)
+        items = self._take(want)
         if not items:
             return None
         try:
@@ -372,14 +347,10 @@ class RankStream:
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
-        it = self._selected()
         cfg = self.cfg
-        # A plan that blocks on its source (tailing Kafka) gets a thread of its own, so it
-        # never holds the shared pool's threads away from other streams.
-        pool = getattr(self.plan, "executor", None) or self.pool
         try:
             while True:
-                built = await loop.run_in_executor(pool, self._build_message, it)
+                built = await loop.run_in_executor(self.pool, self._build_message)
                 if self._finished:
                     return
                 if built is None:
@@ -423,7 +394,7 @@ class RankStream:
                 st = self.state
                 if st is not None:
                     st.bad_records = self.plan.bad_records
-                    st.kafka_lag = dict(getattr(self.plan, "lag", {}))
+                    st.kafka_lag = dict(self.plan.lag)
                     per = block.samples_in_epoch
                     st.epoch, st.samples_in_epoch = int(block.epochs[-1]), per
                     st.samples_done = min(per, (int(block.steps[-1]) + 1) * self.spec.micro_batch)

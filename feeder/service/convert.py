@@ -18,7 +18,7 @@ from feeder.v1 import feeder_pb2 as pb
 
 if TYPE_CHECKING:
     from feeder.engine import Engine
-    from feeder.sources import TokenSource
+    from feeder.sources import Source
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name   # "feeder.v1.Feeder"
 
@@ -99,14 +99,14 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       worker_index=r.worker_index, num_workers=max(1, r.num_workers),
                       worker_phase=r.worker_phase, reshard=r.reshard,
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records,
-                      client_started_ns=r.client_started_ns)
+                      client_started_ns=r.client_started_ns, continued=r.continued)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
                    reshard: bool | None = None, failover: bool = False, rtt_s: float = 0.0,
-                   client_started_ns: int | None = None) -> pb.StreamRequest:
+                   client_started_ns: int | None = None, continued: bool | None = None) -> pb.StreamRequest:
     """The StreamRequest of a spec: the inverse of spec_from_request (which also fills in the
-    feeder's choices). worker_phase, reshard and client_started_ns default to the spec's; rtt_s
+    feeder's choices). worker_phase, reshard, client_started_ns and continued default to the spec's; rtt_s
     (inf: unknown) lets the feeder tell a remote rank."""
     s = spec
     return pb.StreamRequest(
@@ -118,7 +118,8 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         reshard=s.reshard if reshard is None else reshard, expected_fingerprint=s.expected_fingerprint,
         dataset=s.dataset, failover=failover, bad_records=s.bad_records,
         rtt_us=min(int(rtt_s * 1e6), 2**32 - 1) if rtt_s != float("inf") else 0,
-        client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns)
+        client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns,
+        continued=s.continued if continued is None else continued)
 
 
 def status_reply(status: ProcessStatus) -> pb.StatusReply:
@@ -133,7 +134,7 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
     return reply
 
 
-def info_reply(engine: Engine, src: TokenSource, fingerprint: str) -> pb.InfoReply:
+def info_reply(engine: Engine, src: Source, fingerprint: str) -> pb.InfoReply:
     """The InfoReply of a dataset served by this engine."""
     return pb.InfoReply(fingerprint=fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
                         vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],

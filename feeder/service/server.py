@@ -16,7 +16,7 @@ from feeder.engine import Engine
 from feeder.errors import Unavailable
 from feeder.service.wire import encode_reply
 from feeder.service.servicer import FeederServicer, add_to_server, status_reply
-from feeder.sources import TokenSource
+from feeder.sources import Source
 from feeder.v1 import feeder_pb2 as pb
 
 log = logging.getLogger("feeder.server")
@@ -39,7 +39,7 @@ SERVER_OPTIONS = [
 ]
 
 
-def load_sources(cfg: ServeConfig) -> dict[str, TokenSource]:
+def load_sources(cfg: ServeConfig) -> dict[str, Source]:
     if cfg.source.startswith("kafka://"):
         from feeder.sources.kafka import KafkaSource, KafkaURL
 
@@ -52,7 +52,7 @@ def load_sources(cfg: ServeConfig) -> dict[str, TokenSource]:
 
 
 class Server:
-    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource] | None = None):
+    def __init__(self, cfg: ServeConfig, sources: dict[str, Source] | None = None):
         self.cfg = cfg
         self.engine = Engine(cfg, sources if sources is not None else load_sources(cfg),
                              serialize=functools.partial(encode_reply, region=cfg.region))
@@ -182,7 +182,7 @@ async def serve_forever(cfg: ServeConfig, on_ready=None) -> None:
 class ServerThread:
     """A feeder on its own event loop in a background thread (tests, benchmarks, embedding)."""
 
-    def __init__(self, cfg: ServeConfig, sources: dict[str, TokenSource] | None = None):
+    def __init__(self, cfg: ServeConfig, sources: dict[str, Source] | None = None):
         self.cfg, self._sources = cfg, sources
         self.loop = new_loop()
         self._ready = threading.Event()

@@ -1,19 +1,87 @@
-"""Token sources. Each presents one packed token stream: `n_tokens`, `dtype`, `fingerprint`,
-`vocab_size`, `eos_id` and `read(start, out)` filling `out` with tokens [start, start+len(out))."""
+"""The seam between sources and the pipeline: `Source` and the `Plan` it makes per stream.
+
+A source presents one packed token stream (its Info: name, fingerprint, sizes, dtype) and,
+for each rank's stream, makes a Plan: the rank's batches as runs (`PlannedRun`), or `PENDING`
+while its next run is not ready, and where each run's rows lie (`Plan.locate`). The pipeline
+(feeder.pipeline.stream) knows nothing else about a source: one build path takes runs, reads
+their rows, writes cursors and frames messages, whatever the source.
+
+Sources here: `posix.PosixSource` (shards on any POSIX path; its plans are `StreamPlan`s) and
+`kafka.KafkaSource` (a bounded epoch's snapshot is served by a StreamPlan over it; a follow
+stream by `kafka.follow.FollowPlan`, which reads and packs records itself). A new source
+implements both protocols in full; tests/test_seam.py checks each against them.
+"""
 from __future__ import annotations
 
-from typing import Protocol
+from concurrent.futures import Executor
+from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor
+from feeder.planning import Pending, PlannedRun, Start
+from feeder.rows import Rows
 
-class TokenSource(Protocol):
+
+@runtime_checkable
+class Plan(Protocol):
+    """One rank's stream, as the source planned it. Made by `Source.plan`, used from one
+    thread at a time (the pipeline's producer), closed when the stream ends."""
+
+    spec: StreamSpec
+    n: int               # samples in an epoch (0: unbounded, Kafka follow)
+    fingerprint: str     # of the data this stream reads (carried in every cursor)
+    start: Start         # where the stream starts (for logs)
+    dtype: np.dtype      # of the tokens
+    bad_records: int     # records skipped so far (Kafka; 0 elsewhere)
+
+    @property
+    def lag(self) -> dict[int, int]:
+        """{partition: records behind the topic's end} (Kafka follow; {} elsewhere)."""
+
+    @property
+    def executor(self) -> Executor | None:
+        """The thread the stream's messages are built on: None for the shared pool; a plan
+        whose runs block on I/O (tailing a topic) brings a thread of its own."""
+
+    def runs(self, max_batches: int) -> Iterator[PlannedRun | Pending]:
+        """The stream's batches as runs of at most `max_batches` batches of one epoch, in
+        order; PENDING when the next is not ready yet. May raise FeederError (a bad record)."""
+
+    def locate(self, starts: np.ndarray, n: int) -> Rows | np.ndarray:
+        """Where rows [starts[i], starts[i] + n) lie (for runs that carry no tokens)."""
+
+    def cursor_template(self) -> Cursor:
+        """A cursor with the stream's fixed fields (the pipeline writes the moving ones)."""
+
+    def taken(self, step: int) -> None:
+        """The rank's training loop has taken the batch of `step` (Kafka: group commits)."""
+
+    def close(self) -> None:
+        """The stream ended: let go of what the plan holds (a reader thread, a register entry)."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A dataset a feeder serves: its Info, and the Plan of each rank's stream."""
+
     name: str
     fingerprint: str
-    n_tokens: int
+    n_tokens: int        # 0 where unknown until a job freezes its epoch (Kafka)
     n_documents: int
     vocab_size: int
     eos_id: int
     dtype: np.dtype
 
-    def read(self, start: int, out: np.ndarray) -> None: ...
+    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> Plan:
+        """The plan of one rank's stream, resumed after `cursor` (verified) if given. May block
+        (a Kafka snapshot is built, metadata read): the engine calls it off the event loop.
+        Raises FeederError: WrongReplica when this is not the data the job reads,
+        FailedPrecondition when the cursor does not fit the request."""
+
+    def close(self) -> None:
+        """The feeder is stopping: let go of clients and files."""
+
+
+__all__ = ["Plan", "Source", "Pending", "PlannedRun", "Start", "Rows"]

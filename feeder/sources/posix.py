@@ -20,16 +20,18 @@ import numpy as np
 import pyarrow as pa
 
 from feeder import manifest as mf
-from feeder.errors import DataLoss, InvalidArgument, NotFound
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor
+from feeder.errors import DataLoss, InvalidArgument, NotFound, WrongReplica
+from feeder.planning import StreamPlan
+from feeder.rows import Rows
 
-try:
-    from feeder._native import gather as _gather   # memcpy per sample, without the GIL
-except ImportError:  # no C compiler at install: numpy's fancy index
-    _gather = None
 log = logging.getLogger("feeder.source")
 
 
 class PosixSource:
+    """A prepped dataset directory (a `Source`): every rank's plan is a StreamPlan over it."""
+
     def __init__(self, root: str | os.PathLike, *, name: str = "", manifest: mf.Manifest | None = None,
                  cache_bytes: int = 256 << 20):
         self.root = Path(root)
@@ -67,6 +69,17 @@ class PosixSource:
                                  f"the manifest says {shard.bytes}")
             if si in self._bad:
                 log.error("dataset %s: %s; streams that reach it will fail", self.name, self._bad[si])
+
+    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> StreamPlan:
+        """The plan of one rank's stream over this dataset (Source.plan)."""
+        if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
+            raise WrongReplica(
+                f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
+                f"replica of {self.name!r} has {self.fingerprint}; refusing to serve other data")
+        return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self)
+
+    def close(self) -> None:
+        """Nothing to let go of: the maps close with the process."""
 
     def read(self, start: int, out: np.ndarray) -> None:
         n = len(out)
@@ -164,29 +177,6 @@ class PosixSource:
         shard = self.manifest.shards[si]
         table = pq.ParquetFile(str(self.root / shard.path)).read_row_group(ci, columns=[shard.tokens_column])
         return with_eos(table.column(0).combine_chunks(), self.eos_id, self.dtype)
-
-
-class Rows:
-    """Rows of n tokens cut from a few buffers: row i is bufs[which[i]][offs[i]:offs[i] + n]
-    (what PosixSource.locate returns; the reply writer copies them straight into the reply)."""
-
-    __slots__ = ("bufs", "which", "offs", "n")
-
-    def __init__(self, bufs: list[np.ndarray], which: np.ndarray, offs: np.ndarray, n: int):
-        self.bufs, self.which, self.offs, self.n = bufs, which, offs, n
-
-    def __len__(self) -> int:
-        return len(self.which)
-
-    def gather(self, dtype: np.dtype) -> np.ndarray:
-        out = np.empty((len(self.which), self.n), dtype=dtype)
-        if _gather is not None:
-            _gather(self.bufs, self.which, self.offs, self.n, out)
-        else:
-            for b, buf in enumerate(self.bufs):
-                sel = np.flatnonzero(self.which == b)
-                out[sel] = np.lib.stride_tricks.sliding_window_view(buf, self.n)[self.offs[sel]]
-        return out
 
 
 def with_eos(lists: pa.Array, eos_id: int, dtype: np.dtype) -> np.ndarray:

@@ -17,7 +17,8 @@ import numpy as np
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor
 from feeder.errors import FailedPrecondition
-from feeder.planning import PlannedBatch, Start
+from feeder.planning import PENDING, Pending, PlannedBatch, PlannedRun, Start
+from feeder.sampling_key import DEAL, cursor_mismatch
 from feeder.sources.kafka.reader import FollowReader, FollowState
 
 
@@ -28,14 +29,16 @@ class _Mark:
 
 
 class FollowPlan:
-    """One rank's endless stream: round-robin interleave, records dealt k mod W, packed.
+    """One rank's endless stream (a `Plan`): round-robin interleave, records dealt k mod W, packed.
 
     Reads through `reader` (by default a FollowReader of `src` opened here); `executor`, `lag`,
-    `bad_records` and `close` are the reader's, for the pipeline."""
+    `bad_records` and `close` are the reader's, for the pipeline. Its runs carry their tokens
+    and cursors (the position is the interleave's offsets, not (epoch, base, pos, step))."""
 
     def __init__(self, src, spec: StreamSpec, cursor: Cursor | None, policy: str, *,
                  reader: FollowReader | None = None):
         self.spec, self.policy = spec, policy
+        self._commit = src.commit_taken   # the job's consumer group, if it has one
         self.reader = reader if reader is not None else FollowReader.for_stream(src, spec, policy)
         self.topic, self.dtype = src.url.topic, src.dtype
         self.fingerprint = f"kafka-follow:{self.topic}"
@@ -56,14 +59,10 @@ class FollowPlan:
     def _resume(self, cursor: Cursor) -> tuple[FollowState, int, int]:
         """(interleave state, sample index, tokens to skip) of a cursor that fits this stream."""
         spec = self.spec
-        if cursor.fingerprint != self.fingerprint:
-            raise FailedPrecondition(f"cursor does not fit this stream: dataset fingerprint differs: the cursor "
-                                     f"has {cursor.fingerprint!r}, this stream reads {self.fingerprint!r}")
-        for name, theirs, ours in (("job", cursor.job, spec.job), ("world_size", cursor.world_size, spec.world_size),
-                                   ("rank", cursor.rank, spec.rank), ("seq_len", cursor.seq_len, spec.seq_len)):
-            if theirs != ours:
-                raise FailedPrecondition(f"cursor does not fit this stream: {name} differs: the cursor has "
-                                         f"{theirs!r}, the request has {ours!r}")
+        # Records are dealt in topic order: no seed, shuffle or drop_last decides which a rank gets.
+        wrong = cursor_mismatch(cursor, spec, self.fingerprint, fields=("fingerprint", "job", *DEAL, "seq_len"))
+        if wrong is not None:
+            raise wrong
         pos = json.loads(cursor.src)
         if pos["P"] != len(self.parts):
             raise FailedPrecondition(f"topic {self.topic} had {pos['P']} partitions when this cursor was made "
@@ -88,7 +87,32 @@ class FollowPlan:
         """Stops the reader (see FollowReader.close)."""
         self.reader.close()
 
+    def taken(self, step: int) -> None:
+        """Pass on to the consumer group the offsets the rank's loop has taken."""
+        offsets = self.offsets_at(step)
+        if offsets is not None:
+            s = self.spec
+            self._commit(s.job, s.rank, s.world_size, offsets)
+
+    def locate(self, starts: np.ndarray, n: int) -> np.ndarray:
+        raise RuntimeError("a follow stream's runs carry their tokens: there are no rows to locate")
+
+    def cursor_template(self) -> Cursor:
+        return self._cursor(self.state, self._skip, self.i, self._step)
+
     # -- planning
+    def runs(self, max_batches: int = 1) -> Iterator[PlannedRun | Pending]:
+        """The batches (each one run: its own cursor, its tokens), PENDING whenever the reader
+        has no record ready."""
+        W = self.spec.world_size
+        for b in self.batches():
+            if b is None:
+                yield PENDING
+                continue
+            yield PlannedRun(epoch=b.epoch, base=0, world=W, start=b.cursor.pos - len(b.ids), step=b.step,
+                             ids=b.ids, stops=np.array([b.cursor.pos], dtype=np.int64), samples_in_epoch=0,
+                             tokens=b.tokens, cursors=(b.cursor,))
+
     def offsets_at(self, step: int) -> dict[int, int] | None:
         """{partition: next offset} once the batch of `step` has been taken, if remembered."""
         for s, nxt in reversed(self.offsets_after):

@@ -29,7 +29,7 @@ log = logging.getLogger("feeder.kafka")
 
 
 class KafkaSource:
-    """Presents a topic; `plan_for` decides per stream what the job reads (see the package doc)."""
+    """Presents a topic (a `Source`); `plan` decides per stream what the job reads (see the package doc)."""
 
     def __init__(self, url: KafkaURL):
         from confluent_kafka import Consumer
@@ -89,15 +89,16 @@ class KafkaSource:
         return format_ranges(topic, spans)
 
     # -- streams
-    def plan_for(self, spec: StreamSpec, cursor: Cursor | None):
-        """(plan, token source) for one stream; may block (snapshot build, metadata)."""
+    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> "StreamPlan | FollowPlan":
+        """The plan of one stream (Source.plan): a StreamPlan over the job's epoch snapshot, or a
+        FollowPlan tailing the topic. May block (snapshot build, metadata)."""
         policy = spec.bad_records or self.url.bad_records
         if self.url.mode == "follow":
             if spec.reshard:
                 raise FailedPrecondition("a Kafka follow stream cannot be re-dealt to another world size; "
                                          "resume it with the world size of its cursor")
             reader = FollowReader.for_stream(self, spec, policy)
-            return FollowPlan(self, spec, cursor, policy, reader=reader), self
+            return FollowPlan(self, spec, cursor, policy, reader=reader)
         if cursor is not None and cursor.src:
             ranges = cursor.src
         elif spec.expected_fingerprint.startswith("kafka:"):
@@ -111,11 +112,12 @@ class KafkaSource:
         if cursor is not None and cursor.fingerprint != snap.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
-        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges)
+        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges,
+                            data=snap)
         plan.bad_records = snap.bad_records
         plan.register = self._register
         self._register.hold(spec.job, plan)
-        return plan, snap
+        return plan
 
     def snapshot(self, ranges: str, policy: str):
         """The frozen epoch as a local file dataset, built once per (ranges, policy)."""

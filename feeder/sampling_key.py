@@ -1,0 +1,63 @@
+"""The sampling key: the one definition of the fields that decide a rank's samples.
+
+Pure (no I/O). Three things derive from it, so a field added here reaches all three:
+  * the job key: what every rank of one job must share, or a feeder refuses the rank
+    (pipeline.stream.Jobs);
+  * what a cursor records (feeder.cursor.Cursor has these fields; tests/test_core.py checks);
+  * the mismatch message when a cursor does not fit the stream it is sent with
+    (planning.StreamPlan, and Kafka's follow plan).
+"""
+from __future__ import annotations
+
+from feeder.config import StreamSpec
+from feeder.errors import FailedPrecondition
+
+# The epoch's order and its samples (with the dataset's fingerprint).
+SAMPLES = ("seq_len", "seed", "shuffle", "drop_last")
+# Which of them are this rank's.
+DEAL = ("world_size", "rank")
+# How many batches each rank gets: ranks that disagree run different numbers of steps, and
+# the ones that finish first leave the others hanging in their collectives.
+BATCHES = ("micro_batch", "epoch", "num_epochs")
+
+# What every rank of a job must share.
+JOB = ("dataset", "world_size", *SAMPLES, *BATCHES)
+# What a cursor records of the stream that wrote it, and a resumed stream must match
+# (world_size and rank only without reshard: re-dealing to another world is what reshard is for).
+CURSOR = ("job", "fingerprint", *SAMPLES, *DEAL)
+
+
+def job_key(spec: StreamSpec) -> tuple:
+    """The values of JOB, in order."""
+    return tuple(getattr(spec, name) for name in JOB)
+
+
+def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
+    """The refusal of a rank whose job key differs from the one its job runs with."""
+    name, ours, theirs = next((n, a, b) for n, a, b in zip(JOB, running, asked) if a != b)
+    return FailedPrecondition(f"job {job!r} is running with {name}={ours!r}; this stream asks for "
+                              f"{name}={theirs!r}. Every rank of a job must agree.")
+
+
+def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple[str, ...] | None = None
+                    ) -> FailedPrecondition | None:
+    """Why `cursor` cannot resume the stream `spec` over data `fingerprint` (None: it fits).
+
+    `fields`: those to compare, in order; by default all of CURSOR, less DEAL when the
+    request reshards. A plan whose samples depend on fewer (Kafka follow: no order to
+    shuffle) passes its own and gets no reshard hint. A fingerprint that differs is this
+    replica's problem, not the job's: the error says another feeder may serve it."""
+    reshardable = fields is None
+    if fields is None:
+        fields = tuple(n for n in CURSOR if not (spec.reshard and n in DEAL))
+    for name in fields:
+        theirs = getattr(cursor, name)
+        ours = fingerprint if name == "fingerprint" else getattr(spec, name)
+        if theirs != ours:
+            shown = "dataset fingerprint" if name == "fingerprint" else name
+            hint = " (set reshard to re-deal the epoch's remaining samples over a new world size)" \
+                if reshardable and name in DEAL else ""
+            return FailedPrecondition(f"cursor does not fit this stream: {shown} differs: the cursor has "
+                                      f"{theirs!r}, the request has {ours!r}{hint}",
+                                      elsewhere=name == "fingerprint")
+    return None

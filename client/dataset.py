@@ -9,8 +9,8 @@ from typing import Iterator, Mapping, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from client.config import process_started_ns
-from client.stream import ClientConfig, FeederBatch, FeederClient
+from .config import process_started_ns
+from .stream import ClientConfig, FeederBatch, FeederClient
 from feeder.config import StreamSpec
 from feeder.security import ClientSecurity
 

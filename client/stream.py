@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from client.config import PLAIN, ClientConfig, process_started_ns
-from client.decode import DTYPES, FeederBatch, decode, pinned
-from client.handoff import END as _END
-from client.handoff import Handoff
-from client.policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
-from client.transport import Transport, channel_options, feeder_info, measure_rtt
+from .config import PLAIN, ClientConfig, process_started_ns
+from .decode import DTYPES, FeederBatch, decode, pinned
+from .handoff import END as _END
+from .handoff import Handoff
+from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
+from .transport import Transport, channel_options, feeder_info, measure_rtt
 from feeder.errors import COMPLETE, ELSEWHERE, END, FeederError
 from feeder.malloc import keep_freed_memory
 from feeder.security import explain
@@ -35,7 +35,7 @@ from feeder.v1 import feeder_pb2 as pb
 __all__ = ["ClientConfig", "FeederBatch", "FeederClient", "Handoff", "decode", "feeder_info", "pinned",
            "channel_options", "measure_rtt", "rtt_step", "CODES", "COMPRESSION", "DTYPES", "PLAIN", "RETRYABLE"]
 
-log = logging.getLogger("client")
+log = logging.getLogger("feeder_client")
 
 
 class Incomplete(Exception):

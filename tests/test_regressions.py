@@ -11,7 +11,7 @@ import grpc
 import pytest
 from torch.utils.data import DataLoader
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import Code, FeederError, Unavailable
 from feeder.sampler import n_samples
@@ -185,7 +185,7 @@ def test_a_worker_resumed_from_its_own_cursor_takes_the_batch_after_its_own_turn
     """The mechanism under finding 2, without a DataLoader: worker 1 of 3 reads two batches,
     reopens from its own last cursor (phase = its index + 1) and must get exactly the batches of
     an uninterrupted worker 1."""
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
 
     def worker_spec(**kw):
         return StreamSpec(job="phase", rank=0, world_size=1, seq_len=16, micro_batch=4, seed=1,
@@ -322,7 +322,7 @@ def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, strea
     reason (its feeder's SIGTERM), so it reconnected before it learned it was replaced. Its
     stream was then the newest of the rank and displaced the live process. Now a feeder refuses a
     rank's stream from a process that started before the one that last streamed the rank."""
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
 
     seq_len, mb, seed = 16, 2, 7
     base = dict(job="fence", rank=0, world_size=1, seq_len=seq_len, micro_batch=mb, seed=seed, num_epochs=1)
@@ -347,7 +347,7 @@ def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, strea
 
 
 def _started_in_worker(_):
-    from client.config import process_started_ns
+    from feeder_client.config import process_started_ns
     return process_started_ns()
 
 

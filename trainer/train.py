@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from client import FeederDataset, feeder_info
+from feeder_client import FeederDataset, feeder_info
 from feeder.security import ClientSecurity
 
 HERE = Path(__file__).resolve().parent
@@ -116,7 +116,10 @@ def clear_orphaned_shm(min_age_s: float = 60.0) -> tuple[int, int]:
 def main(argv=None) -> int:
     import deepspeed
 
-    from trainer.model import DecoderLM, config_for
+    if __package__:
+        from .model import DecoderLM, config_for
+    else:  # run as a file (`deepspeed trainer/train.py`): no package, so by its installed name
+        from feeder_trainer.model import DecoderLM, config_for
 
     args = parse_args(argv)
     on_gpu = torch.cuda.is_available()

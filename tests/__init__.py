@@ -40,7 +40,7 @@ class _CheckoutFinder:
 
 
 def _install() -> None:
-    loaded = {n: Path(sys.modules[n].__file__).parent for n in _FOLDERS if n in sys.modules}
+    loaded = {n: Path(sys.modules[n].__file__).resolve().parent for n in _FOLDERS if n in sys.modules}
     wrong = {n: str(p) for n, p in loaded.items() if p != _ROOT / _FOLDERS[n]}
     if wrong:   # imported before this package from elsewhere: say so rather than test a mix
         raise ImportError(f"{wrong} were imported from another tree before tests/ could map them to {_ROOT}")

@@ -24,7 +24,7 @@ proto: env
 	$(PY) -m feeder._protogen
 
 demo: env
-	$(PY) -m trainer.demo
+	$(PY) -m feeder_trainer.demo
 
 # The Kafka tests need the real broker: started before the suite, stopped after it
 # whatever the outcome (the suite's exit code is kept).

@@ -43,7 +43,7 @@ def cmd_bench(args) -> int:
     from feeder.errors import FeederError
 
     try:
-        import client  # noqa: F401  (the ranks' side: torch)
+        import feeder_client  # noqa: F401  (the ranks' side: torch)
     except ImportError as e:
         raise FeederError(f"the bench drives the client, which needs {e.name}: "
                           "pip install 'token-feeder[bench]'") from None

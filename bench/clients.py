@@ -66,7 +66,7 @@ def _drive(args) -> dict:
     """In a client process: run `ranks` as threads for `seconds` after a warm-up; each takes
     batches as fast as it can, or 'trains' step_s per batch. Returns totals."""
     (addresses, job, ranks, world, seq_len, mb, compression, seconds, step_s, warm_s, read_ahead) = args
-    from client import ClientConfig, FeederClient
+    from feeder_client import ClientConfig, FeederClient
     from feeder.config import StreamSpec
 
     out = {"tokens": 0, "batches": 0, "wait_s": 0.0, "busy_s": 0.0, "errors": [], "cpu_s": 0.0, "first": []}
@@ -306,7 +306,7 @@ def _local(args) -> dict:
 def _client_cpu(args) -> dict:
     """One rank in its own process: CPU seconds per million tokens taken from the feeder."""
     address, seq_len, mb, compression, seconds = args
-    from client import ClientConfig, FeederClient
+    from feeder_client import ClientConfig, FeederClient
     from feeder.config import StreamSpec
 
     spec = StreamSpec(job=f"cpu-{compression}", rank=0, world_size=8, seq_len=seq_len, micro_batch=mb,

@@ -12,7 +12,7 @@ from .clients import Clients, Feeder
 
 def ttfb(address: str, seq_len: int, mb: int, tries: int = 5) -> tuple[float, float]:
     """(new stream -> first batch, resume mid-epoch from a cursor -> first batch), medians."""
-    from client import ClientConfig, FeederClient
+    from feeder_client import ClientConfig, FeederClient
     from feeder.config import StreamSpec
 
     def first(job, cursor=None):
@@ -45,7 +45,7 @@ def ttfb(address: str, seq_len: int, mb: int, tries: int = 5) -> tuple[float, fl
 
 def wire_bytes_per_token(address: str, seq_len: int, mb: int) -> float:
     """Bytes on the wire per token with the default compression, from the feeder's counters."""
-    from client import ClientConfig, FeederClient
+    from feeder_client import ClientConfig, FeederClient
     from feeder.config import StreamSpec
 
     spec = StreamSpec(job="wire", rank=0, world_size=1, seq_len=seq_len, micro_batch=mb, seed=3, shuffle=True)

@@ -40,10 +40,19 @@ def process_started_ns() -> int:
 class ClientConfig:
     """One rank's stream: its StreamSpec, the feeders that may serve it, and the transport knobs.
 
-    targets: HOST:PORT of every feeder (regions) that may serve the rank, tried nearest first
-    (prefer="rtt") or in the order given (prefer="order"). cursor: resume right after the batch
-    that carried it (None: from the spec's start). Invalid values raise FeederError
-    (INVALID_ARGUMENT) here, not later in the stream thread."""
+    Frozen; each field's comment says what it does.
+
+    Args:
+        targets: HOST:PORT of every feeder (regions) that may serve the rank, tried nearest
+            first (prefer="rtt") or in the order given (prefer="order").
+        spec: what the rank streams (feeder.config.StreamSpec): these values decide its
+            samples.
+        cursor: resume right after the batch that carried it (None: from the spec's start).
+
+    Raises:
+        FeederError: INVALID_ARGUMENT for invalid values, here, not later in the stream
+            thread.
+    """
 
     targets: tuple[str, ...]
     spec: StreamSpec

@@ -9,19 +9,19 @@ from typing import Iterator, Mapping, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from client.config import process_started_ns
-from client.stream import ClientConfig, FeederBatch, FeederClient
+from .config import process_started_ns
+from .stream import ClientConfig, FeederBatch, FeederClient
 from feeder.config import StreamSpec
 from feeder.security import ClientSecurity
 
 
 class FeederDataset(IterableDataset):
-    """Streams one rank's batches (`FeederBatch`: .tokens, .sample_ids, .epoch, .cursor).
+    """A torch IterableDataset of one rank's batches, with DistributedSampler's samples.
 
-    No gRPC object exists until iteration starts, so the dataset can be pickled to
-    DataLoader workers (fork or spawn) and each worker opens its own channel. With
-    num_workers=k, worker w streams batches w, w+k, ...; the DataLoader's round-robin
-    over workers restores the exact order, through any reconnect. Use `batch_size=None`.
+    Each item is a `FeederBatch` (.tokens int64 [n, seq_len + 1], .sample_ids, .epoch,
+    .cursor), already a batch: use `DataLoader(ds, batch_size=None)`. The rank receives
+    exactly the ids `DistributedSampler(num_replicas=world_size, rank=rank, shuffle, seed,
+    drop_last)` gives it, epoch after epoch, each batch once, in order, across failovers.
 
     Passes: without workers, a new pass (`iter`) continues after the last batch yielded.
     With workers, every pass starts from the cursor this object holds in the main process
@@ -29,11 +29,28 @@ class FeederDataset(IterableDataset):
     batches the main process took. To continue after a pass with workers, load the cursor of
     the last batch the loop took (`batch.cursor`).
 
-    targets: "HOST:PORT", a list of them (preference order, or nearest first with
-    prefer="rtt"), or {region: HOST:PORT}. The sampling arguments (job .. num_epochs, reshard,
-    dataset, bad_records) make the StreamSpec, those after it the ClientConfig (see both for
-    their meaning); tls_*/token/token_file make its ClientSecurity. Invalid values raise
-    FeederError (INVALID_ARGUMENT) here, in the main process, not in a worker.
+    Args:
+        targets: "HOST:PORT", a list of them (preference order, or nearest first with
+            prefer="rtt"), or {region: HOST:PORT}.
+        job, rank, world_size, seq_len, micro_batch, seed, shuffle, drop_last, epoch,
+            num_epochs (0: no end), reshard, expected_fingerprint, dataset, bad_records,
+            compression, compression_level: the stream (feeder.config.StreamSpec): they
+            decide the rank's samples; the same values give the same samples on any feeder.
+        cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
+            batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
+        read_ahead .. keep_freed_memory: how the stream is carried (ClientConfig: read-ahead,
+            timeouts, retry budget, failback, pinning, malloc).
+        tls_ca, tls_cert, tls_key, token, token_file, tls_server_name: the ClientSecurity
+            (TLS, mutual TLS, the job's bearer token).
+
+    Raises:
+        FeederError: INVALID_ARGUMENT for invalid values, here in the constructor (in the
+            main process, not later in a worker).
+
+    Threads and processes: no gRPC object exists until iteration starts, so the dataset can
+    be pickled to DataLoader workers (fork or spawn) and each worker opens its own channel.
+    With num_workers=k, worker w streams batches w, w+k, ...; the DataLoader's round-robin
+    over workers restores the exact order, through any reconnect.
     """
 
     def __init__(self, targets: Sequence[str] | Mapping[str, str] | str, job: str, rank: int, world_size: int, seq_len: int,
@@ -77,7 +94,16 @@ class FeederDataset(IterableDataset):
         weakref.finalize(self, _remove_anchor, self._anchor, os.getpid())
 
     def __iter__(self) -> Iterator[FeederBatch]:
-        """One pass: a FeederClient of its own (a DataLoader worker's: its share of the batches)."""
+        """One pass over the rank's stream: its batches, in order, until the last epoch ends.
+
+        Each pass opens a FeederClient of its own (closing the previous pass's); in a
+        DataLoader worker, only that worker's share of the batches.
+
+        Raises:
+            FeederError: when no target can serve the rank (see FeederClient.__next__);
+                a refusal keeps its code (FAILED_PRECONDITION for a cursor of another
+                stream, DATA_LOSS for a corrupt dataset, ...).
+        """
         info = get_worker_info()
         spec = self.spec
         if info is not None and info.num_workers > 1:
@@ -103,11 +129,23 @@ class FeederDataset(IterableDataset):
 
     # torchdata's convention: the state is the cursor after the last batch yielded.
     def state_dict(self) -> dict:
-        """{"version": 1, "job", "rank", "cursor"}: pass to load_state_dict to resume."""
+        """The position to resume from: {"version": 1, "job", "rank", "cursor"}.
+
+        The cursor is that of the last batch this object yielded (in the main process; see
+        the class's note on passes with workers). Save it with the model's checkpoint and
+        give it to load_state_dict (or as `cursor=`) to continue after that batch.
+        """
         return {"version": 1, "job": self.spec.job, "rank": self.spec.rank, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume the next pass after the batch that carried state["cursor"]; ValueError on another version."""
+        """Make the next pass start right after the batch that carried state["cursor"].
+
+        Reaches DataLoader workers too, persistent ones included (through a file they read
+        at the start of each pass).
+
+        Raises:
+            ValueError: a state of another version than 1.
+        """
         if state.get("version") != 1:
             raise ValueError(f"FeederDataset state version {state.get('version')!r} is not supported, expected 1")
         self.cursor = state["cursor"]
@@ -127,7 +165,7 @@ class FeederDataset(IterableDataset):
 
     @property
     def data_wait_s(self) -> float:
-        """Seconds the loop has waited for batches in this pass (0 before the first)."""
+        """Seconds the loop has waited for batches in this pass (0 before the first pass)."""
         return self.client.wait_s if self.client is not None else 0.0
 
     @property

@@ -6,9 +6,8 @@ connection reset, feeder silent past `idle_timeout_s`), the thread reopens it on
 target from the cursor of the last batch it queued, so the consumer sees every batch once,
 in order, and never an error for a failure another feeder can cover.
 
-The parts: client.transport (gRPC calls), client.policy (which target next, how long to wait,
-when to give up: pure code), client.decode (reply -> tensors), client.handoff (the queue to
-the training loop). This module wires them together on two threads: the reader and a watchdog.
+The parts: .transport (gRPC calls), .policy (which target next, how long to wait, when to
+give up: pure code), .decode (reply -> tensors), .handoff (the queue to the training loop). This module wires them together on two threads: the reader and a watchdog.
 """
 from __future__ import annotations
 
@@ -20,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from client.config import PLAIN, ClientConfig, process_started_ns
-from client.decode import DTYPES, FeederBatch, decode, pinned
-from client.handoff import END as _END
-from client.handoff import Handoff
-from client.policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
-from client.transport import Transport, channel_options, feeder_info, measure_rtt
+from .config import PLAIN, ClientConfig, process_started_ns
+from .decode import DTYPES, FeederBatch, decode, pinned
+from .handoff import END as _END
+from .handoff import Handoff
+from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
+from .transport import Transport, channel_options, feeder_info, measure_rtt
 from feeder.errors import COMPLETE, ELSEWHERE, END, FeederError
 from feeder.malloc import keep_freed_memory
 from feeder.security import explain
@@ -35,7 +34,7 @@ from feeder.v1 import feeder_pb2 as pb
 __all__ = ["ClientConfig", "FeederBatch", "FeederClient", "Handoff", "decode", "feeder_info", "pinned",
            "channel_options", "measure_rtt", "rtt_step", "CODES", "COMPRESSION", "DTYPES", "PLAIN", "RETRYABLE"]
 
-log = logging.getLogger("client")
+log = logging.getLogger("feeder_client")
 
 
 class Incomplete(Exception):
@@ -43,16 +42,29 @@ class Incomplete(Exception):
 
 
 class FeederClient:
-    """Iterate to get one rank's batches (FeederBatch), in order, each once, across failovers.
+    """One rank's stream of batches (FeederBatch), in order, each once, across failovers.
 
-    Create it in the process that uses it (after fork); close() when done. The stream starts
-    at once on a background thread. `next()` raises StopIteration at the stream's end, and
-    FeederError when no target can serve the rank (a refusal every target gave, a request
-    error, a corrupt batch that is not DATA_LOSS, or `retry_for_s` without a batch).
+    The lower-level half of FeederDataset, without torch's Dataset protocol: iterate it.
 
-    Attributes: cursor (of the last batch queued), region and target (feeding this rank now),
-    targets (preference order), rtt_s, failovers, failbacks, wait_s (time spent in next()),
-    read_ahead (the queue's capacity now)."""
+    Args:
+        cfg: the stream (cfg.spec), the feeders that may serve it (cfg.targets), where to
+            resume (cfg.cursor) and the transport knobs; see ClientConfig.
+
+    Attributes (read them; the client sets them):
+        cursor: of the last batch queued (where a reopened stream resumes), not of the
+            last one taken: save `batch.cursor` of the batch the loop took instead.
+        region, target: the region and feeder serving this rank now.
+        targets: the feeders in preference order (nearest first once measured).
+        rtt_s: measured round trip per target.
+        failovers, failbacks: streams reopened after a break; moves back to a more
+            preferred target that answered again.
+        wait_s: seconds spent waiting in next().
+        read_ahead: the queue's capacity now (grows with the round trip).
+
+    Threads and processes: the stream starts at once, on a background reader thread (plus
+    a watchdog); create the client in the process that uses it (after any fork) and close()
+    it when done. Iterate from one thread.
+    """
 
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
@@ -97,6 +109,14 @@ class FeederClient:
         return self
 
     def __next__(self) -> FeederBatch:
+        """The next batch, waiting for it if the read-ahead is empty.
+
+        Raises:
+            StopIteration: at the stream's complete end (its last epoch delivered).
+            FeederError: when no target can serve the rank: a refusal every target gave
+                (its code kept), a request error, a corrupt batch that is not DATA_LOSS, or
+                `retry_for_s` without a batch.
+        """
         t0 = time.monotonic()
         item = self._q.get()
         t1 = time.monotonic()
@@ -157,7 +177,10 @@ class FeederClient:
         return self._q.capacity
 
     def close(self) -> None:
-        """Stop the stream and its threads and close the channels (the queue's batches are dropped)."""
+        """Stop the stream and its threads and close the channels; idempotent.
+
+        The batches still queued are dropped. Waits up to 5 s for each thread.
+        """
         self._stop.set()
         with self._lock:
             if self._call is not None:

@@ -84,9 +84,23 @@ class Transport:
 
 
 def feeder_info(targets, dataset: str = "", timeout: float = 10.0, security: ClientSecurity = PLAIN) -> pb.InfoReply:
-    """Dataset facts (fingerprint, vocab size, peers, ...) from the first feeder that answers.
+    """Dataset facts (fingerprint, vocab size, region, peers, ...) from the first feeder that answers.
 
-    Raises FeederError at once when a feeder refuses the credentials, Unavailable when none answers."""
+    Args:
+        targets: "HOST:PORT" or a list of them, asked in order.
+        dataset: the dataset's name on a feeder serving several ("": its default).
+        timeout: seconds per feeder.
+        security: TLS and bearer token (as the stream's).
+
+    Raises:
+        FeederError: at once, with the feeder's code, when a feeder refuses the credentials
+            (UNAUTHENTICATED, PERMISSION_DENIED).
+        Unavailable: when no feeder answers (the last one's reason in the message).
+
+    Threads and processes: a blocking call with a channel of its own, closed on return; call
+    it from any thread (the reference trainer calls it on every rank and keeps rank 0's
+    fingerprint, which every rank then expects).
+    """
     last = None
     for target in ([targets] if isinstance(targets, str) else targets):
         with security.channel(target) as ch:

@@ -224,15 +224,15 @@ def cmd_audit(args) -> int:
     return 0 if all(r["exactly_once"] for r in results) else 1
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """`feeder`'s parser; given the arguments it will parse, it reads the installed plugin
-    commands only when they do not name a built-in one (reading entry points costs every start
-    tens of milliseconds)."""
-    p = argparse.ArgumentParser(prog="feeder", description="Token feeder: prepare datasets and serve token "
-                                "batches to training ranks over gRPC.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("prep", help="tokenize documents into Arrow IPC shards + manifest.json")
+def _add_prep(sub) -> None:
+    s = sub.add_parser("prep", help="tokenize documents into Arrow IPC shards + manifest.json",
+                       description="Tokenize documents into a dataset directory that `feeder serve` serves: Arrow "
+                                   "IPC shard files (shard-NNNNN.arrow) and manifest.json (counts, checksums, "
+                                   "tokenizer, and the dataset's fingerprint, the same for every replica). Reads "
+                                   "INPUTS; writes only under --out, and refuses a directory that already holds a "
+                                   "dataset unless --force. Exit 0 when the dataset is written; 2, with one line, "
+                                   "on bad input (an unreadable or malformed file, a bad tokenizer, a dataset in "
+                                   "--out).")
     s.add_argument("inputs", nargs="+", help=".jsonl (field text), .txt (one document), .parquet (column text), "
                    ".tfrecord (int64 input_ids); all but Parquet may be gzip/bzip2/xz/zstd compressed. Text is UTF-8")
     s.add_argument("--out", required=True, help="output directory (a Lustre path in production)")
@@ -245,7 +245,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress output")
     s.set_defaults(fn=cmd_prep)
 
-    s = sub.add_parser("publish", help="tokenize documents into a Kafka topic, one record per document")
+
+def _add_publish(sub) -> None:
+    s = sub.add_parser("publish", help="tokenize documents into a Kafka topic, one record per document",
+                       description="Tokenize documents into a Kafka topic, one record per document, for `feeder "
+                                   "serve --source kafka://...`. Reads INPUTS; creates the topic when missing "
+                                   "(--partitions) and writes the records to it. Exit 0 when the broker has "
+                                   "acknowledged every record; 2, with one line, on bad input, an unreachable "
+                                   "broker, a topic with other partitions than asked, or records not delivered.")
     s.add_argument("inputs", nargs="+", help="same inputs as prep: .jsonl, .txt, .parquet, .tfrecord")
     s.add_argument("--to", required=True, help="kafka://HOST:PORT/TOPIC (the topic is created when missing)")
     s.add_argument("--partitions", type=int, default=0, help="partitions of a new topic (default 3)")
@@ -258,7 +265,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress output")
     s.set_defaults(fn=cmd_publish)
 
-    s = sub.add_parser("serve", help="serve a dataset to training ranks")
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="serve a dataset to training ranks",
+                       description="Serve a dataset (a `feeder prep` directory, Parquet token files, or a Kafka "
+                                   "topic) to training ranks over gRPC until SIGTERM or SIGINT, then drain streams"
+                                   " for --grace seconds. Settings come from --config (a region file) and the "
+                                   "flags, which win. Reads the dataset, TLS files and tokens file; never writes "
+                                   "to the dataset; appends to --ledger when given. Prints `feeder region=R "
+                                   "listening on HOST:PORT` once it accepts streams. Exit 0 after a clean stop; 2,"
+                                   " with one line, for a bad setting or dataset.")
     s.add_argument("--config", help="region file (TOML, e.g. deploy/regions/us-east.toml); flags override it")
     s.add_argument("--source", help="dataset directory (manifest.json, or Parquet token files), "
                    "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]")
@@ -298,12 +314,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="allow plain text on a listener beyond loopback (a warning is logged)")
     s.set_defaults(fn=cmd_serve)
 
-    s = sub.add_parser("token", help="make a bearer token for jobs, and the line for a feeder's tokens file")
+
+def _add_token(sub) -> None:
+    s = sub.add_parser("token", help="make a bearer token for jobs, and the line for a feeder's tokens file",
+                       description="Make a new bearer token for the given jobs. Prints the token (give it to the "
+                                   "job, e.g. --token-file) and the entry to append to the feeders' tokens file "
+                                   "(--tokens-file), which holds only its hash. Writes no file. Exit 0.")
     s.add_argument("--job", action="append", required=True, help="a job the token may read (repeat; '*': all)")
     s.add_argument("--name", default="", help="a name for logs (default: the first job)")
     s.set_defaults(fn=cmd_token)
 
-    s = sub.add_parser("certs", help="make a deployment CA, or a certificate it signs (TLS, mutual TLS)")
+
+def _add_certs(sub) -> None:
+    s = sub.add_parser("certs", help="make a deployment CA, or a certificate it signs (TLS, mutual TLS)",
+                       description="`certs ca`: a new deployment CA (ca.crt, ca.key) in --out. `certs issue NAME`:"
+                                   " NAME.crt and NAME.key in --out, signed by the CA in --ca-dir, valid for "
+                                   "server and client use (feeders, ranks, probes). Exit 0 when written; 2, with "
+                                   "one line, when arguments are missing or wrong.")
     s.add_argument("what", choices=["ca", "issue"], help="ca: a new CA in --out; issue: NAME.crt/.key signed by --ca-dir")
     s.add_argument("name", nargs="?", default="", help="issue: the certificate's name (file stem, common name)")
     s.add_argument("--out", required=True, help="directory to write to")
@@ -313,26 +340,65 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--days", type=int, default=0, help="validity (default 3650 for a CA, 365 otherwise)")
     s.set_defaults(fn=cmd_certs)
 
-    s = sub.add_parser("health", help="check a feeder's gRPC health service (exit 0 when SERVING)")
+
+def _add_health(sub) -> None:
+    s = sub.add_parser("health", help="check a feeder's gRPC health service (exit 0 when SERVING)",
+                       description="Ask a feeder's gRPC health service, for probes (Kubernetes exec, systemd, load"
+                                   " balancers). The target and TLS material come from the flags or from a region "
+                                   "file (--config). Prints one line. Exit 0 when the feeder is SERVING; 1 when it"
+                                   " is not or does not answer; 2, with one line, for bad arguments.")
     s.add_argument("--target", help="feeder HOST:PORT (default: from --config, with loopback for 0.0.0.0)")
     s.add_argument("--config", help="region file: the target and TLS material are taken from it")
     s.add_argument("--timeout", type=float, default=3.0)
     _client_security_flags(s)
     s.set_defaults(fn=cmd_health)
 
-    s = sub.add_parser("audit", help="prove from ledgers that each epoch was delivered exactly once")
+
+def _add_audit(sub) -> None:
+    s = sub.add_parser("audit", help="prove from ledgers that each epoch was delivered exactly once",
+                       description="Read the ledgers (`serve --ledger`) of every feeder that served a job and "
+                                   "prove, per job and epoch, that each sample was delivered exactly once (batches"
+                                   " resent after a failover counted once, DistributedSampler's padding allowed). "
+                                   "Prints one line (or, with --json, one object) per job and epoch. Exit 0 when "
+                                   "every epoch is exactly once; 1 when one is not or the ledgers hold no batches;"
+                                   " 2, with one line, when a file cannot be read or is no ledger.")
     s.add_argument("ledgers", nargs="+", help="ledger files of every feeder that served the job")
     s.add_argument("--job", default="")
     s.add_argument("--json", action="store_true", help="one JSON object per (job, epoch)")
     s.set_defaults(fn=cmd_audit)
 
-    s = sub.add_parser("status", help="show a feeder's jobs and ranks")
+
+def _add_status(sub) -> None:
+    s = sub.add_parser("status", help="show a feeder's jobs and ranks",
+                       description="Show a feeder's jobs and each rank's progress, rate, region, data-wait and "
+                                   "failovers, once or, with --watch, refreshed every --interval seconds until "
+                                   "Ctrl-C. Reads the feeder's Status over gRPC; writes nothing. Exit 0; 2, with "
+                                   "one line, when the feeder cannot be reached, refuses the credentials, or does "
+                                   "not know --job.")
     s.add_argument("--target", required=True, help="feeder HOST:PORT")
     _client_security_flags(s)
     s.add_argument("--job", default="", help="only this job")
     s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0)
     s.set_defaults(fn=cmd_status)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """`feeder`'s parser; given the arguments it will parse, it reads the installed plugin
+    commands only when they do not name a built-in one (reading entry points costs every start
+    tens of milliseconds)."""
+    p = argparse.ArgumentParser(prog="feeder", description="Token feeder: prepare datasets and serve token "
+                                "batches to training ranks over gRPC.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_prep(sub)
+    _add_publish(sub)
+    _add_serve(sub)
+    _add_token(sub)
+    _add_certs(sub)
+    _add_health(sub)
+    _add_audit(sub)
+    _add_status(sub)
     if not argv or argv[0] not in sub.choices:
         add_plugin_commands(sub)
     return p

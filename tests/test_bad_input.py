@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.errors import InvalidArgument
 from feeder.security import token_hash
 from feeder.v1 import feeder_pb2 as pb

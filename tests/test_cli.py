@@ -147,7 +147,7 @@ def test_serve_on_a_taken_port_or_metrics_port_exits_with_a_clear_message(tmp_pa
 
 
 def test_serve_prints_its_address_streams_and_stops_on_sigterm(tmp_path):
-    from client import FeederDataset
+    from feeder_client import FeederDataset
 
     src = write_jsonl(tmp_path / "a.jsonl", make_docs(100, seed=6))
     assert run("prep", src, "--out", tmp_path / "ds", "--quiet").returncode == 0

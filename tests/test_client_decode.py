@@ -9,7 +9,7 @@ import pytest
 import torch
 import zstandard
 
-from client.stream import ClientConfig, decode
+from feeder_client.stream import ClientConfig, decode
 from feeder.config import StreamSpec
 from feeder.errors import Code, FeederError
 from feeder.v1 import feeder_pb2 as pb
@@ -67,7 +67,7 @@ def test_a_batch_that_is_not_what_it_says_is_data_loss_and_never_delivered():
 def test_pin_memory_pins_where_there_is_cuda_and_is_refused_clearly_where_there_is_none():
     spec = StreamSpec(job="j", rank=0, world_size=1, seq_len=16, micro_batch=5)
     if torch.cuda.is_available():
-        from client.stream import pinned
+        from feeder_client.stream import pinned
 
         ClientConfig(targets=("h:1",), spec=spec, pin_memory=True)
         b, tokens = batch(sample_len=17)

@@ -4,7 +4,7 @@ import multiprocessing as mp
 import pytest
 from torch.utils.data import DataLoader
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.sampler import n_samples
 from tests.helpers import reference_ids
 

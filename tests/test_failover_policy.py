@@ -1,4 +1,4 @@
-"""client.policy without a server: what a rank does next after each kind of stream end.
+"""feeder_client.policy without a server: what a rank does next after each kind of stream end.
 
 Each test drives Policy with the events FeederClient's reader feeds it (a batch, a complete
 end, a break, an error status with or without `feeder-elsewhere`, a failback probe) and a
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from client.policy import RETRYABLE, Finish, GiveUp, Policy, Retry, code_of, order_targets, rtt_step
+from feeder_client.policy import RETRYABLE, Finish, GiveUp, Policy, Retry, code_of, order_targets, rtt_step
 from feeder.errors import Code, FeederError
 
 A, B, C = "a:1", "b:1", "c:1"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.sampler import n_samples, per_rank
 from tests.helpers import FeederProc, reference_ids
 from tests.helpers import check_batches as check, expected_ids as expected

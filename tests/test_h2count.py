@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 
-from bench.h2count import StreamError, count_stream
+from feeder_bench.h2count import StreamError, count_stream
 from feeder.v1 import feeder_pb2 as pb
 
 # Sizes that cross the reader's 4 MiB buffer and HTTP/2's largest frame, an empty message,
@@ -137,7 +137,7 @@ def test_frames_and_prefixes_split_across_reads_are_parsed_whole():
     import socket
     import struct
 
-    from bench import h2count as h
+    from feeder_bench import h2count as h
 
     rnd = random.Random(3)
     sizes = [rnd.choice([0, 1, 4, 5, 300, 9000, 70_000]) for _ in range(300)]

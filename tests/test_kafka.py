@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.config import ServeConfig
 from feeder.errors import FeederError
 from feeder.sampler import n_samples

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.config import ServeConfig
 from feeder.errors import Code, FeederError
 from feeder.sampler import n_samples

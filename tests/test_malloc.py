@@ -16,7 +16,7 @@ if mode == "function":
     from feeder.malloc import keep_freed_memory
     assert keep_freed_memory()
 elif mode.startswith("client"):
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
     from feeder.config import StreamSpec
     spec = StreamSpec(job="j", rank=0, world_size=1, seq_len=8, micro_batch=1)
     FeederClient(ClientConfig(targets=("127.0.0.1:1",), spec=spec, retry_for_s=1,

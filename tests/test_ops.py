@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.metrics import FAMILIES
 from tests.helpers import FeederProc
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.errors import NotFound
 from feeder.status import fetch
 from tests.helpers import check_batches, expected_ids

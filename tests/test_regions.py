@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from client import FeederDataset
-from client.stream import feeder_info
+from feeder_client import FeederDataset
+from feeder_client.stream import feeder_info
 from tests.helpers import byte_stream, check_batches, expected_ids, free_port, make_docs, prep_docs
 
 pytestmark = pytest.mark.fault

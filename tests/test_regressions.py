@@ -11,7 +11,7 @@ import grpc
 import pytest
 from torch.utils.data import DataLoader
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import Code, FeederError, Unavailable
 from feeder.sampler import n_samples
@@ -185,7 +185,7 @@ def test_a_worker_resumed_from_its_own_cursor_takes_the_batch_after_its_own_turn
     """The mechanism under finding 2, without a DataLoader: worker 1 of 3 reads two batches,
     reopens from its own last cursor (phase = its index + 1) and must get exactly the batches of
     an uninterrupted worker 1."""
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
 
     def worker_spec(**kw):
         return StreamSpec(job="phase", rank=0, world_size=1, seq_len=16, micro_batch=4, seed=1,
@@ -323,7 +323,7 @@ def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, strea
     stream was then the newest of the rank and displaced the live process. Now a feeder refuses
     a continued stream of a rank from a process that started before the one that last opened
     the rank; a first stream from an older process (a pool reusing a job name) still opens."""
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
     from feeder.service.convert import stream_request
     from feeder.v1 import feeder_pb2_grpc as pb_grpc
 

@@ -46,7 +46,7 @@ def test_paused_reader_keeps_feeder_memory_within_the_prefetch_budget(big_datase
         budget_mb = 32  # --prefetch-bytes default
         # The client's own channel settings, pinging every 5 s: over the pause below nothing
         # flows, so a server that did not accept those pings would answer GOAWAY too_many_pings.
-        from client.stream import ClientConfig, channel_options
+        from feeder_client.stream import ClientConfig, channel_options
         from feeder.config import StreamSpec
 
         opts = channel_options(ClientConfig(targets=(feeder.address,), keepalive_s=5, spec=StreamSpec(

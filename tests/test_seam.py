@@ -83,7 +83,7 @@ def test_the_pipeline_probes_no_source():
 def test_a_new_source_is_served_exactly_through_the_seam_alone():
     """ArraySource through a real server and client, with two DataLoader-style worker shares
     and compression on and off: the oracle is torch's DistributedSampler."""
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
     from tests.helpers import reference_ids
 
     tokens = np.random.default_rng(3).integers(1, 60000, 2000, dtype=np.uint16)

@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from client import FeederDataset
-from client.stream import ClientConfig, FeederClient, feeder_info
+from feeder_client import FeederDataset
+from feeder_client.stream import ClientConfig, FeederClient, feeder_info
 from feeder import certs
 from feeder.config import StreamSpec
 from feeder.errors import Code, FeederError

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.config import ServeConfig
 from feeder.errors import Code, FeederError
 from feeder.sampler import n_samples
@@ -361,7 +361,7 @@ def test_closing_a_client_while_it_reports_prints_no_traceback(feeder, monkeypat
     import threading
     import time
 
-    from client.stream import ClientConfig, FeederClient
+    from feeder_client.stream import ClientConfig, FeederClient
     from feeder.config import StreamSpec
 
     died = []

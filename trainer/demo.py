@@ -46,7 +46,7 @@ def main() -> int:
         print(f"   {line.strip()}", flush=True)
         print("== 4/4 DeepSpeed training, 2 ranks (nccl on GPU, gloo on CPU), fed only by the feeder", flush=True)
         cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-               str(ROOT / "trainer" / "train.py"), "--targets", address, "--job", "demo", "--steps",
+               str(Path(__file__).resolve().parent / "train.py"), "--targets", address, "--job", "demo", "--steps",
                os.environ.get("DEMO_STEPS", "300"), "--seq-len", "128", "--micro-batch", "8", "--log-every", "25",
                "--ckpt-dir", str(WORK / "checkpoints"), "--save-every", "150"]
         t0 = time.monotonic()

@@ -15,13 +15,15 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from client import FeederDataset, feeder_info
 from feeder.security import ClientSecurity
+from feeder_client import FeederDataset, feeder_info
 
 HERE = Path(__file__).resolve().parent
 
@@ -113,13 +115,10 @@ def clear_orphaned_shm(min_age_s: float = 60.0) -> tuple[int, int]:
     return count, freed
 
 
-def main(argv=None) -> int:
-    import deepspeed
-
-    from trainer.model import DecoderLM, config_for
-
-    args = parse_args(argv)
-    on_gpu = torch.cuda.is_available()
+def init_distributed(deepspeed, on_gpu: bool) -> tuple[int, int]:
+    """Join the process group (nccl on GPU, gloo on CPU), first freeing the shared-memory
+    segments earlier runs left (local rank 0 only) and after it this rank's own segment name;
+    returns (rank, world size)."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         n, freed = clear_orphaned_shm()
         if n:
@@ -129,104 +128,181 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()  # every rank has mapped its peers' shm segments: their names can go
     release_shm_names(rank)
-    torch.manual_seed(args.seed)
-    entries = [t for t in args.targets.split(",") if t]
-    targets = dict(e.split("=", 1) for e in entries) if all("=" in e for e in entries) else entries
-    security = ClientSecurity(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file)
+    return rank, world
+
+
+def parse_targets(spec: str) -> dict[str, str] | list[str]:
+    """--targets: REGION=HOST:PORT,... as a dict of regions, else HOST:PORT,... as a list."""
+    entries = [t for t in spec.split(",") if t]
+    return dict(e.split("=", 1) for e in entries) if all("=" in e for e in entries) else entries
+
+
+def agree_on_dataset(targets, security: ClientSecurity):
+    """The feeders' Info, and the dataset fingerprint every rank will expect: rank 0's."""
     info = feeder_info(list(targets.values()) if isinstance(targets, dict) else targets, security=security)
     # Every rank must expect the same dataset: for a Kafka topic, Info names the epoch a job
     # starting now would read, and the topic may grow between two ranks' calls. Rank 0's wins.
     fingerprint = [info.fingerprint]
     dist.broadcast_object_list(fingerprint, src=0)
+    return info, fingerprint[0]
+
+
+def resume_point(args, engine, world: int, rank: int, say):
+    """(cursor, reshard, step) to start from: the latest checkpoint's with --resume, else the
+    start; None when --resume finds no checkpoint."""
+    if not args.resume:
+        return None, False, 0
+    path, state = engine.load_checkpoint(args.ckpt_dir)
+    if path is None:
+        say(f"error: no checkpoint in {args.ckpt_dir} to resume from")
+        return None
+    cursors, step = state["feeder_cursors"], state["step"]
+    # Same world: each rank continues its own stream. Another world: re-deal the epoch's rest.
+    reshard = len(cursors) != world
+    cursor = cursors[0] if reshard else cursors[rank]
+    say(f"resumed from {path} at step {step} ({'re-dealt from world ' + str(len(cursors)) if reshard else 'same world'})")
+    return cursor, reshard, step
+
+
+def make_dataset(args, targets, rank: int, world: int, cursor, reshard: bool, fingerprint: str):
+    """This rank's FeederDataset from the flags (shuffled, seeded, from `cursor` when resuming)."""
+    return FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
+                         micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
+                         num_epochs=args.epochs, cursor=cursor, reshard=reshard,
+                         expected_fingerprint=fingerprint, compression=args.compression, prefer=args.prefer,
+                         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         token_file=args.token_file)
+
+
+@dataclass
+class Run:
+    """What the training loop works with: the flags, this rank's place, engine, data, log."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    engine: Any
+    data: Any            # FeederDataset
+    batches: Iterator
+    say: Callable[..., None]
+    ids_log: Any = None  # DIR/rank{R}.jsonl with --log-ids
+
+
+def meter() -> dict:
+    """Accumulators of one logging window (or of the whole run)."""
+    return {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """A DeepSpeed checkpoint whose client_state holds every rank's feeder cursor."""
+    cursors = [None] * run.world
+    dist.all_gather_object(cursors, run.data.state_dict()["cursor"])  # DeepSpeed keeps rank 0's client_state
+    run.engine.save_checkpoint(run.args.ckpt_dir, tag=f"step{step}", client_state={"feeder_cursors": cursors,
+                                                                                  "step": step})
+
+
+def one_step(run: Run, step: int, window: dict, total: dict) -> bool:
+    """One optimizer step of --grad-accum micro-batches; False when the data ended first."""
+    for micro in range(run.args.grad_accum):
+        t0 = time.monotonic()
+        batch = next(run.batches, None)
+        waited = time.monotonic() - t0
+        if batch is None:
+            return False
+        tokens = batch.tokens.to(run.engine.device, non_blocking=True)
+        loss = run.engine(tokens)
+        run.engine.backward(loss)
+        run.engine.step()
+        n_tok = tokens.shape[0] * (tokens.shape[1] - 1)
+        for acc in (window, total):
+            acc["wait"] += waited
+            acc["tokens"] += n_tok
+        window["loss"] += loss.item()
+        window["n"] += 1
+        if run.ids_log:
+            run.ids_log.write(json.dumps({"step": step, "micro": micro, "epoch": batch.epoch,
+                                          "ids": batch.sample_ids.tolist()}) + "\n")
+    return True
+
+
+def log_window(run: Run, step: int, window: dict) -> float:
+    """Print the window's loss, tokens/s and data-wait share over all ranks; its mean loss."""
+    stats = torch.tensor([window["loss"], window["n"], window["tokens"], window["wait"]], dtype=torch.float64)
+    dist.all_reduce(stats)
+    dt = time.monotonic() - window["t"]
+    mean_loss = stats[0].item() / max(1, stats[1].item())
+    run.say(f"step {step:5d}  loss {mean_loss:.4f}  tokens/s {stats[2].item() / dt:,.0f}  "
+            f"data-wait {100 * stats[3].item() / run.world / dt:.2f}%")
+    return mean_loss
+
+
+def train_steps(run: Run, step: int) -> tuple[int, float | None, float | None, dict]:
+    """Steps from `step` to --steps or the end of the data, logging, checkpointing and (fault
+    injection) crashing as the flags say; (last step, first and last logged loss, totals)."""
+    args = run.args
+    first_loss = last_loss = None
+    window, total = meter(), meter()
+    while step < args.steps:
+        if not one_step(run, step, window, total):
+            break
+        step += 1
+        if step % args.log_every == 0 or step == args.steps:
+            last_loss = log_window(run, step, window)
+            first_loss = last_loss if first_loss is None else first_loss
+            window = meter()
+        if args.ckpt_dir and args.save_every and step % args.save_every == 0:
+            save_checkpoint(run, step)
+        if run.rank == 0 and step == args.crash_at_step:
+            if run.ids_log:
+                run.ids_log.flush()
+            os._exit(17)  # no cleanup, like a segfault or an OOM kill
+    return step, first_loss, last_loss, total
+
+
+def report(run: Run, step: int, first_loss, last_loss, total: dict) -> None:
+    """The run's last line: steps, loss first -> last, tokens/s, data-wait share, region."""
+    dt = time.monotonic() - total["t"]
+    t = torch.tensor([total["tokens"], total["wait"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    run.say(f"done: {step} steps, loss {first_loss:.4f} -> {last_loss:.4f}, {t[0].item() / dt:,.0f} tokens/s, "
+            f"data-wait {100 * t[1].item() / run.world / dt:.2f}% of step time, fed from region {run.data.region}"
+            if first_loss is not None else f"done: {step} steps")
+
+
+def main(argv=None) -> int:
+    """Train from the flags (see parse_args); 0, or 2 when --resume finds no checkpoint."""
+    import deepspeed
+
+    if __package__:
+        from .model import DecoderLM, config_for
+    else:  # run as a file (`deepspeed trainer/train.py`): no package, so by its installed name
+        from feeder_trainer.model import DecoderLM, config_for
+
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    rank, world = init_distributed(deepspeed, on_gpu)
+    torch.manual_seed(args.seed)
+    targets = parse_targets(args.targets)
+    security = ClientSecurity(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key, token_file=args.token_file)
+    info, fingerprint = agree_on_dataset(targets, security)
     model = DecoderLM(config_for(args.model_size, info.vocab_size, args.seq_len))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(args, on_gpu))
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     say(f"model {args.model_size}: {model.n_params() / 1e6:.2f}M parameters, vocab {info.vocab_size}, "
         f"world {world}, device {engine.device}, dataset {info.fingerprint[:12]} from region {info.region}")
-
-    cursor, reshard, step = None, False, 0
-    if args.resume:
-        path, state = engine.load_checkpoint(args.ckpt_dir)
-        if path is None:
-            say(f"error: no checkpoint in {args.ckpt_dir} to resume from")
-            return 2
-        cursors, step = state["feeder_cursors"], state["step"]
-        # Same world: each rank continues its own stream. Another world: re-deal the epoch's rest.
-        reshard = len(cursors) != world
-        cursor = cursors[0] if reshard else cursors[rank]
-        say(f"resumed from {path} at step {step} ({'re-dealt from world ' + str(len(cursors)) if reshard else 'same world'})")
-
-    data = FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
-                         micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
-                         num_epochs=args.epochs, cursor=cursor, reshard=reshard,
-                         expected_fingerprint=fingerprint[0], compression=args.compression, prefer=args.prefer,
-                         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         token_file=args.token_file)
-    batches = iter(data)
-    ids_log = None
+    start = resume_point(args, engine, world, rank, say)
+    if start is None:
+        return 2
+    cursor, reshard, step = start
+    data = make_dataset(args, targets, rank, world, cursor, reshard, fingerprint)
+    run = Run(args, rank, world, engine, data, iter(data), say)
     if args.log_ids:
         Path(args.log_ids).mkdir(parents=True, exist_ok=True)
-        ids_log = open(Path(args.log_ids) / f"rank{rank}.jsonl", "a", buffering=1)  # lines survive a crash
-
-    def save(step: int):
-        cursors = [None] * world
-        dist.all_gather_object(cursors, data.state_dict()["cursor"])  # DeepSpeed keeps rank 0's client_state
-        engine.save_checkpoint(args.ckpt_dir, tag=f"step{step}", client_state={"feeder_cursors": cursors,
-                                                                              "step": step})
-
-    first_loss = last_loss = None
-    window = {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
-    total = {"t": time.monotonic(), "wait": 0.0, "tokens": 0}
-    exhausted = False
-    while step < args.steps and not exhausted:
-        for micro in range(args.grad_accum):
-            t0 = time.monotonic()
-            batch = next(batches, None)
-            waited = time.monotonic() - t0
-            if batch is None:
-                exhausted = True
-                break
-            tokens = batch.tokens.to(engine.device, non_blocking=True)
-            loss = engine(tokens)
-            engine.backward(loss)
-            engine.step()
-            n_tok = tokens.shape[0] * (tokens.shape[1] - 1)
-            for acc in (window, total):
-                acc["wait"] += waited
-                acc["tokens"] += n_tok
-            window["loss"] += loss.item()
-            window["n"] += 1
-            if ids_log:
-                ids_log.write(json.dumps({"step": step, "micro": micro, "epoch": batch.epoch,
-                                          "ids": batch.sample_ids.tolist()}) + "\n")
-        if exhausted:
-            break
-        step += 1
-        if step % args.log_every == 0 or step == args.steps:
-            stats = torch.tensor([window["loss"], window["n"], window["tokens"], window["wait"]], dtype=torch.float64)
-            dist.all_reduce(stats)
-            dt = time.monotonic() - window["t"]
-            mean_loss = stats[0].item() / max(1, stats[1].item())
-            first_loss = mean_loss if first_loss is None else first_loss
-            last_loss = mean_loss
-            say(f"step {step:5d}  loss {mean_loss:.4f}  tokens/s {stats[2].item() / dt:,.0f}  "
-                f"data-wait {100 * stats[3].item() / world / dt:.2f}%")
-            window = {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
-        if args.ckpt_dir and args.save_every and step % args.save_every == 0:
-            save(step)
-        if rank == 0 and step == args.crash_at_step:
-            if ids_log:
-                ids_log.flush()
-            os._exit(17)  # no cleanup, like a segfault or an OOM kill
-    if ids_log:
-        ids_log.close()
-    dt = time.monotonic() - total["t"]
-    t = torch.tensor([total["tokens"], total["wait"]], dtype=torch.float64)
-    dist.all_reduce(t)
-    say(f"done: {step} steps, loss {first_loss:.4f} -> {last_loss:.4f}, {t[0].item() / dt:,.0f} tokens/s, "
-        f"data-wait {100 * t[1].item() / world / dt:.2f}% of step time, fed from region {data.region}"
-        if first_loss is not None else f"done: {step} steps")
+        run.ids_log = open(Path(args.log_ids) / f"rank{rank}.jsonl", "a", buffering=1)  # lines survive a crash
+    step, first_loss, last_loss, total = train_steps(run, step)
+    if run.ids_log:
+        run.ids_log.close()
+    report(run, step, first_loss, last_loss, total)
     dist.barrier()
     return 0
 

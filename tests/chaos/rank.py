@@ -23,7 +23,7 @@ import warnings
 import torch  # noqa: F401  (preloaded by the forkserver: ranks and their workers fork with it)
 from torch.utils.data import DataLoader
 
-from client import FeederDataset
+from feeder_client import FeederDataset
 from feeder.errors import FeederError
 
 
@@ -62,7 +62,7 @@ def rank_main(cfg: dict, conn) -> None:
         if workers and cfg["context"] == "forkserver":
             # The workers' forkserver imports torch and the client once; each worker is then a
             # fork of it (no gRPC object there) instead of a fresh import of torch (~3 s of CPU).
-            mp.get_context("forkserver").set_forkserver_preload(["torch", "client.dataset"])
+            mp.get_context("forkserver").set_forkserver_preload(["torch", "feeder_client.dataset"])
         loader = DataLoader(ds, batch_size=None, num_workers=workers,
                             persistent_workers=cfg["persistent"] and workers > 0,
                             multiprocessing_context=mp.get_context(cfg["context"]) if workers else None,

@@ -531,7 +531,7 @@ class ScenarioRun:
     def intrude(self, inc: Incarnation, f: Fault) -> None:
         """A client of the same job and rank that disagrees on one parameter, on a feeder where
         the job is live: it must be refused with FAILED_PRECONDITION (and disturb nobody)."""
-        from client import FeederDataset
+        from feeder_client import FeederDataset
         from feeder.errors import Code, FeederError
 
         if self.sc.processes > 1:

@@ -4,6 +4,10 @@ Pure: no I/O. Layout (big-endian):
     b"FC" | version u8 | kind u8 | body | HMAC-SHA256(secret, everything before)[:16]
 The MAC makes a tampered, truncated or foreign (other deployment's secret) cursor fail
 verification; the fields then let the feeder say precisely which one does not match.
+
+The kind says what the source position (`Cursor.src`) is, beyond what the sampler derives
+from (epoch, base, pos, step): nothing for a dataset on disk, the frozen offset ranges of a
+Kafka job's epoch, or where a Kafka follow stream's interleave stands. Each is a typed value.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ except ImportError:  # no C compiler at install
     _native_cursors = None
 
 MAGIC = b"FC"
-VERSION = 2            # 2 added `src`; version 1 cursors (no src) are still accepted
-KIND_SAMPLED = 1
+# 2 added `src` (as text); 3 made it typed, by kind. Versions 1 and 2 are still accepted.
+VERSION = 3
+KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW = 1, 2, 3
 MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
 DEV_SECRET = b"feeder-development-secret-not-for-production"
@@ -30,6 +35,68 @@ DEV_SECRET = b"feeder-development-secret-not-for-production"
 _FIXED = struct.Struct(">QBBIIIIQQQ")  # seed flags seq_len world rank epoch base pos step
 _HEAD = struct.Struct(">QBBIII")        # the part of _FIXED a stream keeps: seed .. rank
 _TAIL = struct.Struct(">IQQQ")          # and the part each batch moves: epoch base pos step
+
+
+@dataclass(frozen=True)
+class KafkaEpoch:
+    """Kafka bounded: the offset ranges of the job's frozen epoch ("topic:p=lo-hi,...")."""
+    ranges: str
+
+
+@dataclass(frozen=True)
+class KafkaFollow:
+    """Kafka follow: where the rank's round-robin interleave over the partitions stands."""
+    partitions: int            # the topic's partition count (a follow stream needs it fixed)
+    next: tuple[int, ...]      # per partition, the next offset to read
+    turn: int                  # the partition whose record comes next
+    k: int                     # records dealt so far (record k goes to rank k mod W)
+    skip: int                  # tokens of the current record that earlier samples took
+    i: int                     # the rank's next sample index
+
+    _FIXED = struct.Struct(">IIQQQ")
+
+    def pack(self) -> bytes:
+        return self._FIXED.pack(self.partitions, self.turn, self.k, self.skip, self.i) + \
+            struct.pack(f">{len(self.next)}Q", *self.next)
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "KafkaFollow":
+        p, turn, k, skip, i = cls._FIXED.unpack_from(b)
+        nxt = struct.unpack_from(f">{p}Q", b, cls._FIXED.size)
+        if cls._FIXED.size + 8 * p != len(b):
+            raise struct.error(f"a follow position of {p} partitions has {len(b)} bytes")
+        return cls(partitions=p, next=nxt, turn=turn, k=k, skip=skip, i=i)
+
+
+Position = KafkaEpoch | KafkaFollow | None
+_KIND = {type(None): KIND_SAMPLED, KafkaEpoch: KIND_KAFKA_EPOCH, KafkaFollow: KIND_KAFKA_FOLLOW}
+
+
+def _position_bytes(src: Position) -> bytes:
+    if src is None:
+        return b""
+    return src.ranges.encode() if type(src) is KafkaEpoch else src.pack()
+
+
+def _position(version: int, kind: int, raw: bytes) -> Position:
+    if version < 3:   # text, by what it looks like: "" (a dataset), a follow's JSON, or ranges
+        import json
+
+        text = raw.decode()
+        if not text:
+            return None
+        if text.startswith("{"):
+            d = json.loads(text)
+            return KafkaFollow(partitions=d["P"], next=tuple(d["next"]), turn=d["turn"], k=d["k"], skip=d["skip"],
+                               i=d["i"])
+        return KafkaEpoch(text)
+    if kind == KIND_SAMPLED and not raw:
+        return None
+    if kind == KIND_KAFKA_EPOCH:
+        return KafkaEpoch(raw.decode())
+    if kind == KIND_KAFKA_FOLLOW:
+        return KafkaFollow.unpack(raw)
+    raise FailedPrecondition(f"cursor kind {kind} cannot resume this stream")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,16 +113,16 @@ class Cursor:
     base: int      # start of the current segment in the epoch's global order (elastic)
     pos: int       # samples of this rank's segment list already delivered
     step: int      # batches already delivered in this epoch
-    src: str = ""  # source position the sampler cannot derive: Kafka offset ranges / offsets
+    src: Position = None   # the source position the sampler cannot derive (see the module doc)
 
     def head(self) -> bytes:
         """Everything before (epoch, base, pos, step): the same for every batch of a stream segment."""
         job = self.job.encode()
         fp = self.fingerprint.encode()
-        src = self.src.encode()
+        src = _position_bytes(self.src)
         flags = (1 if self.shuffle else 0) | (2 if self.drop_last else 0)
         return b"".join([
-            MAGIC, bytes([VERSION, KIND_SAMPLED]),
+            MAGIC, bytes([VERSION, _KIND[type(self.src)]]),
             struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp, struct.pack(">I", len(src)), src,
             _HEAD.pack(self.seed, flags, 0, self.seq_len, self.world_size, self.rank),
         ])
@@ -69,14 +136,14 @@ class Cursor:
         if len(data) < 4 + MAC_LEN or data[:2] != MAGIC:
             raise FailedPrecondition(
                 f"cursor is not a feeder cursor ({len(data)} bytes, expected one returned with a batch)")
-        if data[2] not in (1, VERSION):
-            raise FailedPrecondition(f"cursor version {data[2]} is not supported, expected 1 or {VERSION}")
+        if data[2] not in (1, 2, VERSION):
+            raise FailedPrecondition(f"cursor version {data[2]} is not supported, expected 1 to {VERSION}")
         body, mac = data[:-MAC_LEN], data[-MAC_LEN:]
         if not hmac.compare_digest(mac, _mac(secret, body)):
             raise FailedPrecondition(
                 "cursor failed verification: it was altered, truncated, or issued by a feeder "
                 "with another cursor secret")
-        if body[3] != KIND_SAMPLED:
+        if body[3] not in (KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW) or (data[2] < 3 and body[3] != 1):
             raise FailedPrecondition(f"cursor kind {body[3]} cannot resume this stream")
         try:
             at = 4
@@ -86,13 +153,15 @@ class Cursor:
             (fl,) = struct.unpack_from(">H", body, at)
             fp = body[at + 2:at + 2 + fl].decode()
             at += 2 + fl
-            src = ""
+            src = None
             if data[2] >= 2:
                 (sl,) = struct.unpack_from(">I", body, at)
-                src = body[at + 4:at + 4 + sl].decode()
+                if at + 4 + sl > len(body):
+                    raise struct.error("the source position runs past the cursor's end")
+                src = _position(data[2], body[3], body[at + 4:at + 4 + sl])
                 at += 4 + sl
             seed, flags, _, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
-        except (struct.error, UnicodeDecodeError) as e:
+        except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise FailedPrecondition(f"cursor is malformed: {e}") from None
         return cls(job=job, fingerprint=fp, seed=seed, shuffle=bool(flags & 1),
                    drop_last=bool(flags & 2), seq_len=seq_len, world_size=world, rank=rank,

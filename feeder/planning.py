@@ -14,7 +14,7 @@ import numpy as np
 
 from feeder import sampler
 from feeder.config import StreamSpec
-from feeder.cursor import Cursor
+from feeder.cursor import Cursor, Position
 from feeder.errors import FailedPrecondition
 from feeder.sampling_key import cursor_mismatch
 
@@ -106,10 +106,10 @@ class StreamPlan:
     executor = None   # the pipeline's shared pool: planning and locating rows never block
 
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
-                 src: str = "", data=None):
+                 src: Position = None, data=None):
         self.spec = spec
         self.fingerprint = fingerprint
-        self.src = src               # carried in every cursor (Kafka bounded: the frozen offset ranges)
+        self.src = src               # carried in every cursor (Kafka bounded: the frozen epoch, KafkaEpoch)
         self.data = data
         self.dtype = data.dtype if data is not None else np.dtype(np.uint32)
         self.bad_records = 0         # records a Kafka epoch skipped (set by its source)

@@ -1,6 +1,8 @@
+import dataclasses
+
 import pytest
 
-from feeder.cursor import Cursor
+from feeder.cursor import Cursor, KafkaEpoch, KafkaFollow
 from feeder.errors import FailedPrecondition
 
 C = Cursor(job="job-1", fingerprint="ab" * 32, seed=3, shuffle=True, drop_last=False, seq_len=128,
@@ -41,10 +43,10 @@ def test_cursor_writer_writes_what_encode_writes(secret, native, monkeypatch):
     else:
         assert cursor._native_cursors is not None, "the C extension is built by make env"
 
-    w = CursorWriter(dataclasses.replace(C, src="topic:0-9"), secret)
+    w = CursorWriter(dataclasses.replace(C, src=KafkaEpoch("topic:0-9")), secret)
     for world in (4, 3, 4):   # a segment re-dealt to 3 ranks, and back: one head per world size
         got = w.many(world=world, epoch=7, base=9, stops=[8, 16, 19], first_step=10)
-        want = [dataclasses.replace(C, src="topic:0-9", world_size=world, epoch=7, base=9, pos=pos, step=step)
+        want = [dataclasses.replace(C, src=KafkaEpoch("topic:0-9"), world_size=world, epoch=7, base=9, pos=pos, step=step)
                 .encode(secret) for pos, step in ((8, 11), (16, 12), (19, 13))]
         assert got == want
         assert Cursor.decode(got[-1], secret).pos == 19
@@ -76,3 +78,30 @@ def test_native_cursor_macs_equal_hmac_for_heads_of_every_length():
         cursors(key, head, 1 << 32, 2, [3], 0)
     with pytest.raises(OverflowError):
         cursors(key, head, 1, 2, [-1], 0)
+
+
+def _v2(c: Cursor, text: str, secret: bytes) -> bytes:
+    """A cursor as version 2 wrote it (checkpoints made before the typed positions hold these)."""
+    import struct
+
+    from feeder.cursor import _HEAD, _TAIL, MAGIC, _mac
+
+    job, fp, src = c.job.encode(), c.fingerprint.encode(), text.encode()
+    flags = (1 if c.shuffle else 0) | (2 if c.drop_last else 0)
+    body = b"".join([MAGIC, bytes([2, 1]), struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp,
+                     struct.pack(">I", len(src)), src, _HEAD.pack(c.seed, flags, 0, c.seq_len, c.world_size, c.rank),
+                     _TAIL.pack(c.epoch, c.base, c.pos, c.step)])
+    return body + _mac(secret, body)
+
+
+def test_version_2_cursors_still_resume_with_their_position_typed():
+    """Checkpoints written before version 3 hold text positions: a dataset's (none), a Kafka
+    epoch's ranges, a follow stream's JSON. They decode to the typed values a v3 cursor holds."""
+    base = Cursor(job="j", fingerprint="f", seed=1, shuffle=True, drop_last=False, seq_len=8, world_size=2, rank=1,
+                  epoch=3, base=0, pos=5, step=2)
+    follow = KafkaFollow(partitions=2, next=(7, 9), turn=1, k=15, skip=3, i=40)
+    for text, want in (("", None), ("t:0=0-9,1=0-4", KafkaEpoch("t:0=0-9,1=0-4")),
+                       ('{"P":2,"next":[7,9],"turn":1,"k":15,"skip":3,"i":40}', follow)):
+        got = Cursor.decode(_v2(base, text, b"s"), b"s")
+        assert got == dataclasses.replace(base, src=want)
+        assert Cursor.decode(got.encode(b"s"), b"s") == got   # and written back as version 3

@@ -216,7 +216,7 @@ def epoch_of(batch) -> str:
     """The offset ranges a batch's cursor carries (the epoch the feeder served it from)."""
     from feeder.cursor import DEV_SECRET, Cursor
 
-    return Cursor.decode(batch.cursor, DEV_SECRET).src
+    return Cursor.decode(batch.cursor, DEV_SECRET).src.ranges
 
 
 def epoch_stream(bootstrap: str, ranges: str) -> np.ndarray:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from feeder import cursor as cursor_mod
 from feeder import sampler
 from feeder.config import StreamSpec
-from feeder.cursor import Cursor, CursorWriter
+from feeder.cursor import Cursor, CursorWriter, KafkaEpoch, KafkaFollow
 from feeder.errors import FailedPrecondition, InvalidArgument
 from feeder.pipeline.plan import StreamPlan
 from tests.helpers import reference_ids
@@ -230,7 +230,16 @@ def cursors(draw, text=small_text):
     u32, u64 = st.integers(0, U32), st.integers(0, U64)
     return Cursor(job=draw(text), fingerprint=draw(text), seed=draw(u64), shuffle=draw(st.booleans()),
                   drop_last=draw(st.booleans()), seq_len=draw(u32), world_size=draw(u32), rank=draw(u32),
-                  epoch=draw(u32), base=draw(u64), pos=draw(u64), step=draw(u64), src=draw(text))
+                  epoch=draw(u32), base=draw(u64), pos=draw(u64), step=draw(u64), src=draw(positions(text)))
+
+
+def positions(text):
+    """Every kind of source position a cursor carries (none: a dataset on disk)."""
+    u64 = st.integers(0, U64)
+    follow = st.integers(0, 40).flatmap(lambda p: st.builds(
+        KafkaFollow, partitions=st.just(p), next=st.tuples(*[u64] * p), turn=st.integers(0, U32), k=u64, skip=u64,
+        i=u64))
+    return st.one_of(st.none(), st.builds(KafkaEpoch, text), follow)
 
 
 secrets_ = st.one_of(st.just(b""), st.binary(min_size=1, max_size=100))   # b"": the dev secret
@@ -239,7 +248,8 @@ secrets_ = st.one_of(st.just(b""), st.binary(min_size=1, max_size=100))   # b"":
 @_examples(60)
 @given(c=cursors(text=st.text(max_size=3000)), secret=secrets_)
 @example(c=Cursor(job="ジョブ-🚀", fingerprint="e" * 65535, seed=U64, shuffle=True, drop_last=True, seq_len=U32,
-                  world_size=U32, rank=U32, epoch=U32, base=U64, pos=U64, step=U64, src="t:0-" + "9" * 5000),
+                  world_size=U32, rank=U32, epoch=U32, base=U64, pos=U64, step=U64,
+                  src=KafkaEpoch("t:0-" + "9" * 5000)),
          secret=b"k" * 65)
 def test_cursor_round_trips(c, secret):
     assert Cursor.decode(c.encode(secret), secret) == c

@@ -7,7 +7,6 @@ next sample starts, so a restart replays exactly. No I/O here: that is the reade
 """
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -15,7 +14,7 @@ from typing import Iterator
 import numpy as np
 
 from feeder.config import StreamSpec
-from feeder.cursor import Cursor
+from feeder.cursor import Cursor, KafkaFollow
 from feeder.errors import FailedPrecondition
 from feeder.planning import PENDING, Pending, PlannedBatch, PlannedRun, Start
 from feeder.sampling_key import DEAL, cursor_mismatch
@@ -63,11 +62,13 @@ class FollowPlan:
         wrong = cursor_mismatch(cursor, spec, self.fingerprint, fields=("fingerprint", "job", *DEAL, "seq_len"))
         if wrong is not None:
             raise wrong
-        pos = json.loads(cursor.src)
-        if pos["P"] != len(self.parts):
-            raise FailedPrecondition(f"topic {self.topic} had {pos['P']} partitions when this cursor was made "
+        pos = cursor.src
+        if type(pos) is not KafkaFollow:
+            raise FailedPrecondition("cursor does not fit this stream: it is not from a Kafka follow stream")
+        if pos.partitions != len(self.parts):
+            raise FailedPrecondition(f"topic {self.topic} had {pos.partitions} partitions when this cursor was made "
                                      f"and has {len(self.parts)} now; a follow stream needs a fixed partition count")
-        return FollowState(next=pos["next"], turn=pos["turn"], k=pos["k"]), pos["i"], pos["skip"]
+        return FollowState(next=list(pos.next), turn=pos.turn, k=pos.k), pos.i, pos.skip
 
     # -- the reader's, for the pipeline (stream.RankStream) and metrics
     @property
@@ -124,8 +125,8 @@ class FollowPlan:
 
     def _cursor(self, state: FollowState, skip: int, i: int, step: int) -> Cursor:
         s = self.spec
-        src = json.dumps({"P": len(self.parts), "next": state.next, "turn": state.turn, "k": state.k,
-                          "skip": skip, "i": i}, separators=(",", ":"))
+        src = KafkaFollow(partitions=len(self.parts), next=tuple(state.next), turn=state.turn, k=state.k, skip=skip,
+                          i=i)
         return Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=False, drop_last=s.drop_last,
                       seq_len=s.seq_len, world_size=s.world_size, rank=s.rank, epoch=s.epoch, base=0, pos=i,
                       step=step, src=src)

@@ -130,7 +130,7 @@ class EpochRegister:
 
     # -- keeping a running job's entry live
     def hold(self, job: str, plan) -> None:
-        """A bounded stream of `job` is open here with `plan` (its ranges in plan.src)."""
+        """A bounded stream of `job` is open here with `plan` (its epoch in plan.src, a KafkaEpoch)."""
         with self._live_lock:
             live = self._live.setdefault(job, weakref.WeakSet())
             first = not live
@@ -156,7 +156,7 @@ class EpochRegister:
             if self._stop.is_set():
                 return
             with self._live_lock:
-                running = {job: next(iter(live)).src for job, live in self._live.items() if len(live)}
+                running = {job: next(iter(live)).src.ranges for job, live in self._live.items() if len(live)}
                 for job in [j for j, live in self._live.items() if not len(live)]:
                     del self._live[job]
             for job, ranges in running.items():

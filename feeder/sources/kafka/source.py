@@ -12,7 +12,7 @@ import numpy as np
 
 from feeder import manifest as mf
 from feeder.config import StreamSpec
-from feeder.cursor import Cursor
+from feeder.cursor import Cursor, KafkaEpoch
 from feeder.errors import FailedPrecondition, InvalidArgument, WrongReplica
 from feeder.planning import StreamPlan
 from feeder.sources.kafka.codec import read_header
@@ -99,8 +99,11 @@ class KafkaSource:
                                          "resume it with the world size of its cursor")
             reader = FollowReader.for_stream(self, spec, policy)
             return FollowPlan(self, spec, cursor, policy, reader=reader)
-        if cursor is not None and cursor.src:
-            ranges = cursor.src
+        if cursor is not None and cursor.src is not None:
+            if type(cursor.src) is not KafkaEpoch:
+                raise FailedPrecondition("cursor does not fit this stream: it is from a Kafka follow stream, and "
+                                         f"this feeder serves topic {self.url.topic} bounded (mode=bounded)")
+            ranges = cursor.src.ranges
         elif spec.expected_fingerprint.startswith("kafka:"):
             ranges = spec.expected_fingerprint
         elif spec.expected_fingerprint:
@@ -112,8 +115,8 @@ class KafkaSource:
         if cursor is not None and cursor.fingerprint != snap.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
-        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor, src=ranges,
-                            data=snap)
+        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor,
+                            src=KafkaEpoch(ranges), data=snap)
         plan.bad_records = snap.bad_records
         plan.register = self._register
         self._register.hold(spec.job, plan)

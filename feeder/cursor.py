@@ -55,6 +55,13 @@ class KafkaFollow:
 
     _FIXED = struct.Struct(">IIQQQ")
 
+    def __post_init__(self):
+        # A hand-made or old (JSON) position that cannot name a place in a topic is malformed.
+        ints = (self.partitions, self.turn, self.k, self.skip, self.i, *self.next)
+        if not all(type(x) is int and 0 <= x < 1 << 64 for x in ints) or len(self.next) != self.partitions \
+                or not self.turn < max(self.partitions, 1):
+            raise ValueError("a follow position needs one offset per partition and a turn among them")
+
     def pack(self) -> bytes:
         return self._FIXED.pack(self.partitions, self.turn, self.k, self.skip, self.i) + \
             struct.pack(f">{len(self.next)}Q", *self.next)
@@ -161,7 +168,7 @@ class Cursor:
                 src = _position(data[2], body[3], body[at + 4:at + 4 + sl])
                 at += 4 + sl
             seed, flags, _, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
-        except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise FailedPrecondition(f"cursor is malformed: {e}") from None
         return cls(job=job, fingerprint=fp, seed=seed, shuffle=bool(flags & 1),
                    drop_last=bool(flags & 2), seq_len=seq_len, world_size=world, rank=rank,

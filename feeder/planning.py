@@ -129,6 +129,7 @@ class StreamPlan:
         wrong = cursor_mismatch(c, s, self.fingerprint)
         if wrong is not None:
             raise wrong
+        self._check_position(c)
         if s.reshard:
             if c.pos >= sampler.per_rank(self.n - c.base, c.world_size, s.drop_last):
                 # The old dealing ran to its end, and so did the epoch: what drop_last left out
@@ -137,6 +138,21 @@ class StreamPlan:
             base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
         return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)
+
+    def _check_position(self, c: Cursor) -> None:
+        """A cursor that fits the stream but names no place in it (only a hand-made one can,
+        under the deployment's secret) is refused rather than served as an empty stream."""
+        why = None
+        if not 0 <= c.rank < c.world_size:
+            why = f"rank {c.rank} of world_size {c.world_size}"
+        elif c.base > self.n:
+            why = f"base {c.base} past the epoch's {self.n} samples"
+        elif c.pos > sampler.per_rank(self.n - c.base, c.world_size, self.spec.drop_last):
+            why = f"position {c.pos} past the rank's {sampler.per_rank(self.n - c.base, c.world_size, self.spec.drop_last)} samples"
+        elif c.step > self.n:   # (after a reshard pos restarts at 0 and step goes on: not bounded by pos)
+            why = f"step {c.step} past the epoch's {self.n} samples"
+        if why is not None:
+            raise FailedPrecondition(f"cursor does not fit this stream: it names no place in it ({why})")
 
     @property
     def lag(self) -> dict[int, int]:

@@ -237,8 +237,8 @@ def positions(text):
     """Every kind of source position a cursor carries (none: a dataset on disk)."""
     u64 = st.integers(0, U64)
     follow = st.integers(0, 40).flatmap(lambda p: st.builds(
-        KafkaFollow, partitions=st.just(p), next=st.tuples(*[u64] * p), turn=st.integers(0, U32), k=u64, skip=u64,
-        i=u64))
+        KafkaFollow, partitions=st.just(p), next=st.tuples(*[u64] * p), turn=st.integers(0, max(p, 1) - 1), k=u64,
+        skip=u64, i=u64))
     return st.one_of(st.none(), st.builds(KafkaEpoch, text), follow)
 
 

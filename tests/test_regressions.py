@@ -344,7 +344,7 @@ def test_a_replaced_trainer_reconnecting_cannot_take_its_rank_back(feeder, strea
     with grpc.insecure_channel(feeder.address) as ch:
         with pytest.raises(grpc.RpcError) as e:
             next(iter(pb_grpc.FeederStub(ch).Stream(request, timeout=10)))
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "replaced" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no longer holds this rank" in e.value.details()
     got += list(new)                         # the live trainer was not displaced
     check_batches(got, stream, seq_len, expected_ids(stream, 0, 1, seq_len, seed))
     again = client(t)                        # a first stream of an older process opens
@@ -361,4 +361,45 @@ def test_dataloader_workers_send_their_trainers_start_time(feeder):
     for k, _ in enumerate(dl):
         if k == 3:
             break
-    assert feeder.server.engine.jobs.get("fence-workers").started_ns == {0: ds.spec.client_started_ns}
+    holders = feeder.server.engine.jobs.get("fence-workers").holders
+    assert holders == {(0, 0): (ds.spec.client_started_ns, True), (0, 1): (ds.spec.client_started_ns, True)}
+
+
+# -- found by the outside review of cursor version 3 ---------------------------------------------
+
+def _deep_json_v2(c):
+    from tests.test_cursor import _v2
+    return _v2(c, '{"P":' + "[" * 100_000, b"")
+
+
+@pytest.mark.parametrize("change", [
+    dict(step=2**64 - 1),                          # was INTERNAL: OverflowError
+    dict(world_size=0, reshard=True),              # was UNKNOWN: ZeroDivisionError
+    dict(pos=2**64 - 1), dict(base=2**63),         # were served as an empty, complete stream
+    dict(src="epoch"), dict(src="follow"),         # a Kafka position on a dataset of files: was served
+    dict(v2="deep"),                               # was UNKNOWN: RecursionError
+])
+def test_a_cursor_that_names_no_place_in_the_stream_is_refused(feeder, change):
+    """Hand-made cursors under the deployment's secret (here the development one): each must
+    get FAILED_PRECONDITION with a message, not INTERNAL or UNKNOWN, nor an empty stream."""
+    import dataclasses
+
+    from feeder.cursor import DEV_SECRET, Cursor, KafkaEpoch, KafkaFollow
+    from feeder_client.stream import ClientConfig, FeederClient
+
+    base = dict(job="bad-cursor", rank=0, world_size=2, seq_len=16, micro_batch=2, seed=1, num_epochs=1)
+    first = FeederClient(ClientConfig(targets=(feeder.address,), spec=StreamSpec(**base)))
+    c = Cursor.decode(next(first).cursor, DEV_SECRET)
+    first.close()
+    change = dict(change)
+    reshard = change.pop("reshard", False)
+    if "src" in change:
+        change["src"] = KafkaEpoch("t:0=0-9") if change["src"] == "epoch" else \
+            KafkaFollow(partitions=1, next=(0,), turn=0, k=0, skip=0, i=0)
+    raw = _deep_json_v2(c) if change.pop("v2", None) else dataclasses.replace(c, **change).encode(DEV_SECRET)
+    client = FeederClient(ClientConfig(targets=(feeder.address,), cursor=raw, retry_for_s=5,
+                                       spec=StreamSpec(**base, reshard=reshard)))
+    with pytest.raises(FeederError) as e:
+        next(client)
+    client.close()
+    assert e.value.code == Code.FAILED_PRECONDITION and "cursor" in str(e.value), e.value

@@ -114,9 +114,10 @@ class Job:
     ranks: dict[int, RankState] = field(default_factory=dict)
     streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
     idle_since: float | None = None   # monotonic time its last stream closed
-    # rank -> start time of the trainer process that last opened it (StreamSpec.client_started_ns).
-    # Kept when its stream closes: that is when a replaced process may come back.
-    started_ns: dict[int, int] = field(default_factory=dict)
+    # (rank, worker) -> (start time of the trainer process holding it, whether it took it with a
+    # first stream): see fence(). Kept when its stream closes: that is when a replaced process
+    # may come back.
+    holders: dict[tuple[int, int], tuple[int, bool]] = field(default_factory=dict)
 
 
 def unknown_job(job: str, known) -> NotFound:
@@ -153,10 +154,10 @@ class Jobs:
         self.evict_idle()
         key = job_key(spec)
         j = self.jobs.get(spec.job)
-        started_ns = {}
+        holders = {}
         if j is not None:
             fence(j, spec)
-            started_ns = j.started_ns
+            holders = j.holders
         if j is not None and j.key != key:
             if j.streams:
                 # Live ranks define the job; a rank with other parameters would get other samples.
@@ -164,10 +165,11 @@ class Jobs:
             j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
         if j is None:
             j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size,
-                                          started_ns=started_ns)
-        if spec.client_started_ns:
-            j.started_ns[spec.rank] = spec.client_started_ns
+                                          holders=holders)
         slot = (spec.rank, spec.worker_index)
+        if spec.client_started_ns:   # a holder's own reconnect keeps how it took the slot
+            t, first = spec.client_started_ns, not spec.continued
+            j.holders[slot] = (t, first or j.holders.get(slot) == (t, True))
         old = j.streams.get(slot)
         if old is not None:
             # The newest stream of a rank wins: an older one is a peer that failed over or restarted.
@@ -198,24 +200,32 @@ class Jobs:
         return sum(len(j.streams) for j in self.jobs.values())
 
 
-def fence(job: Job, spec: StreamSpec) -> None:  # the caller records the time once the stream is accepted
-    """Refuse a continued stream from a trainer process older than the last that opened the rank.
+def fence(job: Job, spec: StreamSpec) -> None:  # the caller records the holder once the stream is accepted
+    """Refuse a continued stream of a slot (rank, worker) from a process that no longer holds it.
 
-    The newest stream of a rank wins, which is how a restarted trainer takes its rank over. But
+    The newest stream of a slot wins, which is how a restarted trainer takes its rank over. But
     a replaced process whose own stream broke for another reason (a reset, the feeder's
     SIGTERM) reconnects without knowing it was replaced; its stream would then be the newest
-    and displace the live process (soak seed 200307). A reconnect is a continued stream, and
-    its process's start time says it is the older one. A first stream is not fenced: a process
-    that opens a rank afresh means to (a pool of processes reusing a job name, a new pass).
-    Workers of one process send its start time. 0 (an older client) is not fenced. Across
-    hosts this relies on clocks agreeing far better than a restart takes (NTP: milliseconds)."""
+    and displace the live process (soak seed 200307). A reconnect is a continued stream
+    (StreamSpec.continued), and the process is named by its start time (client_started_ns):
+      * a first stream is never refused: the process that opens a slot afresh holds it (a
+        restarted trainer, a pool of processes reusing a job name, a new pass);
+      * a continued stream from the holder is its own reconnect;
+      * a continued stream from another process is refused if the holder took the slot with a
+        first stream (it replaced that process), or if it is older than a holder that only
+        reconnected here (after this feeder restarted, a replaced process may reconnect before
+        its replacement: the younger of the two is the replacement).
+    0 (an older client) is neither fenced nor recorded. The fence is per feeder process; across
+    hosts the time order needs clocks that agree far better than a restart takes (NTP: ms)."""
     t = spec.client_started_ns
-    holder = job.started_ns.get(spec.rank, 0)
-    if spec.continued and t and t < holder:
-        raise FailedPrecondition(
-            f"stream of job {spec.job!r} rank {spec.rank} comes from a trainer process that started "
-            f"{(holder - t) / 1e9:.3f} s before the one that last opened this rank: it was replaced "
-            "(a restarted trainer took the rank over), so it may not take the rank back")
+    holder, took_first = job.holders.get((spec.rank, spec.worker_index), (0, False))
+    if not (spec.continued and t and holder) or t == holder or (t > holder and not took_first):
+        return
+    how = "opened it afresh" if took_first else f"started {(holder - t) / 1e9:.9f} s later"
+    raise FailedPrecondition(
+        f"stream of job {spec.job!r} rank {spec.rank} (worker {spec.worker_index}) continues a stream of a trainer "
+        f"process that no longer holds this rank: another process {how} (a restarted trainer took the rank "
+        "over), so this one may not take it back")
 
 
 class RankStream:

@@ -22,7 +22,7 @@ import pyarrow as pa
 from feeder import manifest as mf
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor
-from feeder.errors import DataLoss, InvalidArgument, NotFound, WrongReplica
+from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, WrongReplica
 from feeder.planning import StreamPlan
 from feeder.rows import Rows
 
@@ -76,6 +76,9 @@ class PosixSource:
             raise WrongReplica(
                 f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
                 f"replica of {self.name!r} has {self.fingerprint}; refusing to serve other data")
+        if cursor is not None and cursor.src is not None:
+            raise FailedPrecondition(f"cursor does not fit this stream: it holds a Kafka position "
+                                     f"({type(cursor.src).__name__}); this feeder serves dataset {self.name!r} from files")
         return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self)
 
     def close(self) -> None:

@@ -73,7 +73,10 @@ class FeederClient:
         self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
         self._phase = cfg.spec.worker_phase   # round-robin index of the batch after self.cursor
         self._started_ns = cfg.spec.client_started_ns or process_started_ns()   # fences a replaced trainer
-        self._opened = False              # every stream after the first continues it (StreamSpec.continued)
+        # Once a stream of ours has delivered a reply, every later one continues it (StreamSpec.continued).
+        # Not at the first request: one that never reached a feeder (a dead link) opened nothing,
+        # and its retry must be a first stream, or a replacement would be fenced as a reconnect.
+        self._opened = False
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
@@ -199,11 +202,10 @@ class FeederClient:
 
     # reader side
     def _request(self, target: str) -> pb.StreamRequest:
-        continued, self._opened = self._opened, True
         return stream_request(self.cfg.spec, self.cursor, worker_phase=self._phase,
                               reshard=self.cfg.spec.reshard and self.cursor == self.cfg.cursor,
                               failover=self.policy.after_break, rtt_s=self.rtt_s.get(target, 0.0),
-                              client_started_ns=self._started_ns, continued=continued)
+                              client_started_ns=self._started_ns, continued=self._opened)
 
     def _put(self, item) -> bool:
         return self._q.put_many([item], self._stop)
@@ -310,6 +312,7 @@ class FeederClient:
                 raise Incomplete() from None
             finally:
                 self._waiting_since = None
+            self._opened = True
             if reply.region != self.region:
                 log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                 self.region = reply.region

@@ -44,7 +44,7 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
 def test_regression_seeds_are_pinned_to_the_scenarios_that_failed():
     from tests.chaos.scenario import PINNED
 
-    assert {666, 127, 17809, 543, 258, 200307} <= set(PINNED)
+    assert {666, 127, 17809, 543, 258, 200307, 500064} <= set(PINNED)
     assert Scenario.from_seed(17809).describe().endswith("faults=[blackhole(f0@b97+500ms)]")
     assert not set(COVERAGE) & set(PINNED)
 
@@ -102,3 +102,11 @@ def test_regression_seed_200307_a_replaced_process_reconnecting_after_a_sigterm(
     newest of the rank and displaced the live process, which stopped with FAILED_PRECONDITION.
     Streams are now fenced by the trainer process's start time (client_started_ns)."""
     _run(200307)
+
+
+def test_regression_seed_500064_a_replacement_whose_first_request_never_arrived_is_not_fenced():
+    """Found by the soak of the fence's second version: a client counted its stream as
+    continued from its first request on, so a replacement whose first request never reached
+    the feeder (a blackholed link) retried as a reconnect and was fenced off its own rank.
+    A client's streams now count as continued once one of them delivered a reply."""
+    _run(500064)

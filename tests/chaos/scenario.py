@@ -207,3 +207,10 @@ _pin(
         processes=1, spread=False, failback_s=0.0, step_ms=0, ckpt_every=1, faults=(Fault(kind='sigterm',
         at_batch=40, at_ms=0, rank=0, target=0, heal_ms=300, hold_ms=1000, detail=''), Fault(kind='supersede',
         at_batch=117, at_ms=0, rank=0, target=0, heal_ms=0, hold_ms=0, detail=''))))
+_pin(
+        Scenario(seed=500064, n_docs=60, seq_len=24, micro_batch=2, world=5, workers=0, persistent=False, context='',
+        num_epochs=1, take=0, start_epoch=0, shuffle=True, drop_last=False, data_seed=385, compression='',
+        link_kbps=0, message_bytes=1048576, prefetch_messages=8, read_ahead=8, targets=1, processes=1, spread=False,
+        failback_s=0.0, step_ms=0, ckpt_every=1, faults=(Fault(kind='supersede', at_batch=5, at_ms=0, rank=2,
+        target=0, heal_ms=0, hold_ms=0, detail=''), Fault(kind='blackhole', at_batch=17, at_ms=0, rank=3, target=0,
+        heal_ms=500, hold_ms=0, detail=''))))

@@ -169,7 +169,7 @@ def _scaling(cfg: BenchConfig, data: dict, clients: Clients, feeders: list[Feede
     L, mb, N, secs = cfg.seq_len, cfg.micro_batch, cfg.ranks, cfg.seconds
     say("scaling: 1 and 2 feeder processes on one port (SO_REUSEPORT)")
     port = free_port()
-    one = Feeder(data["shards"], port, message_bytes=cfg.message_bytes)
+    one = Feeder(data["shards"], port, message_bytes=cfg.message_bytes, extra=["--reuse-port"])
     feeders.append(one)
     scaled = [one]
 
@@ -185,7 +185,7 @@ def _scaling(cfg: BenchConfig, data: dict, clients: Clients, feeders: list[Feede
 
     one_proc = {reader: counted(f"scale-1c-{reader}", reader) for reader in READERS}
     s1 = clients.run([one.address], "scale-1", N, seq_len=L, mb=mb, compression="none", seconds=secs)
-    scaled.append(Feeder(data["shards"], port, message_bytes=cfg.message_bytes))  # same port
+    scaled.append(Feeder(data["shards"], port, message_bytes=cfg.message_bytes, extra=["--reuse-port"]))  # same port
     feeders.append(scaled[-1])
     two_proc = {reader: counted(f"scale-2c-{reader}", reader) for reader in READERS}
     s2 = clients.run([one.address], "scale-2", N, seq_len=L, mb=mb, compression="none", seconds=secs)

@@ -45,7 +45,8 @@ SERVE_FLAGS = {"source": "source", "listen": "listen", "region": "region",
                "vocab_size": "vocab_size", "eos_id": "eos_id", "log_format": "log_format", "ledger": "ledger",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
-               "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index"}
+               "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
+               "reuse_port": "reuse_port"}
 
 
 def serve_config(args):
@@ -294,6 +295,9 @@ def _add_serve(sub) -> None:
                    "bound by its GIL, a host with more cores serves more with more; any one of them answers "
                    "`feeder status` for all, each serves metrics on --metrics-port plus its index")
     # Set by `--processes N` for the processes it starts.
+    s.add_argument("--reuse-port", action="store_true", default=None,
+                   help="share the port with feeder processes started separately (SO_REUSEPORT); without it a "
+                        "port that is taken, by a feeder too, is an error")
     s.add_argument("--sibling-dir", help=argparse.SUPPRESS)
     s.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
     s.add_argument("--cursor-secret-file", help="file with the deployment's cursor secret "

@@ -193,6 +193,10 @@ class ServeConfig:
     # status for each other (so any one answers `feeder status` for all), and which one this is.
     sibling_dir: str = ""
     process_index: int = 0
+    # Share the port with other feeder processes started separately (SO_REUSEPORT), as the
+    # siblings of `--processes` do. Off by default: a feeder started twice on one port, say
+    # with other data, must fail to bind rather than get half the connections.
+    reuse_port: bool = False
 
     def __post_init__(self):
         if not self.source:

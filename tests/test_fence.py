@@ -34,7 +34,7 @@ def test_a_replaced_process_reconnecting_is_refused_and_the_replacement_keeps_th
     a = _open(jobs, A, False)
     _open(jobs, B, False)                       # the restarted trainer takes the rank over
     assert a.superseded
-    with pytest.raises(FailedPrecondition, match="no longer holds this rank: another process opened it afresh"):
+    with pytest.raises(FailedPrecondition, match="no longer holds this rank: it was replaced here"):
         _open(jobs, A, True)                    # A's stream had broken: it reconnects
     _open(jobs, B, True)                        # B's own reconnects go on
 
@@ -58,7 +58,7 @@ def test_after_a_feeder_restart_the_younger_of_two_reconnecting_processes_wins_i
         if second > first:
             _open(jobs, second, True)           # the replacement displaces a replaced process that came first
         else:
-            with pytest.raises(FailedPrecondition, match="started 0.000000100 s later"):
+            with pytest.raises(FailedPrecondition, match="started 0.000000100 s later holds it"):
                 _open(jobs, second, True)
         with pytest.raises(FailedPrecondition):
             _open(jobs, A, True)                # and the replaced one stays out
@@ -81,3 +81,16 @@ def test_clients_that_send_no_start_time_are_neither_fenced_nor_fence():
     _open(jobs, 0, True)
     _open(jobs, A, True)
     _open(jobs, 0, True)
+
+
+def test_a_younger_replacement_first_seen_reconnecting_takes_the_slot_from_an_older_holder():
+    """Soak seed 600390, `serve --processes 2`: the replacement's first stream went to the other
+    process, so this one still had the replaced process as holder when the replacement's
+    reconnect arrived. The younger process, not seen here before, takes over; the older one is
+    then refused."""
+    jobs = Jobs()
+    a = _open(jobs, A, False)
+    _open(jobs, B, True)                        # B's first stream was elsewhere
+    assert a.superseded
+    with pytest.raises(FailedPrecondition, match="replaced here"):
+        _open(jobs, A, True)

@@ -362,7 +362,7 @@ def test_dataloader_workers_send_their_trainers_start_time(feeder):
         if k == 3:
             break
     holders = feeder.server.engine.jobs.get("fence-workers").holders
-    assert holders == {(0, 0): (ds.spec.client_started_ns, True), (0, 1): (ds.spec.client_started_ns, True)}
+    assert holders == {(0, 0): ds.spec.client_started_ns, (0, 1): ds.spec.client_started_ns}
 
 
 # -- found by the outside review of cursor version 3 ---------------------------------------------
@@ -403,3 +403,26 @@ def test_a_cursor_that_names_no_place_in_the_stream_is_refused(feeder, change):
         next(client)
     client.close()
     assert e.value.code == Code.FAILED_PRECONDITION and "cursor" in str(e.value), e.value
+
+
+# -- found by the soak (seed 600321): two feeders on one port -------------------------------------
+
+def test_a_second_feeder_on_a_taken_port_fails_instead_of_sharing_it(dataset, tmp_path):
+    """grpcio binds with SO_REUSEPORT by default: a second `feeder serve` on a taken port (here
+    two soak scenarios' feeders, each with its own data) bound too and got half the
+    connections, so a rank was served another dataset's batches. Now it fails to bind with a
+    clear message, unless both ask to share the port (--reuse-port, as `--processes` does)."""
+    import subprocess
+    import sys
+
+    first = FeederProc(dataset)
+    try:
+        r = subprocess.run([sys.executable, "-m", "feeder.cli", "serve", "--source", str(dataset), "--listen",
+                            first.address], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "cannot listen on" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        first.stop()
+    a = FeederProc(dataset, extra=["--reuse-port"])
+    b = FeederProc(dataset, port=int(a.address.rpartition(":")[2]), extra=["--reuse-port"])
+    for f in (a, b):
+        f.stop()

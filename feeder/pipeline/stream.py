@@ -114,10 +114,11 @@ class Job:
     ranks: dict[int, RankState] = field(default_factory=dict)
     streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
     idle_since: float | None = None   # monotonic time its last stream closed
-    # (rank, worker) -> (start time of the trainer process holding it, whether it took it with a
-    # first stream): see fence(). Kept when its stream closes: that is when a replaced process
-    # may come back.
-    holders: dict[tuple[int, int], tuple[int, bool]] = field(default_factory=dict)
+    # (rank, worker) -> the start time of the trainer process holding it, and those of the
+    # processes it replaced here: see fence(). Kept when streams close: that is when a replaced
+    # process may come back.
+    holders: dict[tuple[int, int], int] = field(default_factory=dict)
+    replaced: dict[tuple[int, int], set[int]] = field(default_factory=dict)
 
 
 def unknown_job(job: str, known) -> NotFound:
@@ -154,10 +155,10 @@ class Jobs:
         self.evict_idle()
         key = job_key(spec)
         j = self.jobs.get(spec.job)
-        holders = {}
+        fenced = {}
         if j is not None:
             fence(j, spec)
-            holders = j.holders
+            fenced = dict(holders=j.holders, replaced=j.replaced)
         if j is not None and j.key != key:
             if j.streams:
                 # Live ranks define the job; a rank with other parameters would get other samples.
@@ -165,11 +166,9 @@ class Jobs:
             j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
         if j is None:
             j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size,
-                                          holders=holders)
+                                          **fenced)
         slot = (spec.rank, spec.worker_index)
-        if spec.client_started_ns:   # a holder's own reconnect keeps how it took the slot
-            t, first = spec.client_started_ns, not spec.continued
-            j.holders[slot] = (t, first or j.holders.get(slot) == (t, True))
+        hold(j, slot, spec)
         old = j.streams.get(slot)
         if old is not None:
             # The newest stream of a rank wins: an older one is a peer that failed over or restarted.
@@ -200,32 +199,56 @@ class Jobs:
         return sum(len(j.streams) for j in self.jobs.values())
 
 
-def fence(job: Job, spec: StreamSpec) -> None:  # the caller records the holder once the stream is accepted
-    """Refuse a continued stream of a slot (rank, worker) from a process that no longer holds it.
+def fence(job: Job, spec: StreamSpec) -> None:
+    """Refuse a continued stream of a slot (rank, worker) from a process that was replaced there.
 
     The newest stream of a slot wins, which is how a restarted trainer takes its rank over. But
     a replaced process whose own stream broke for another reason (a reset, the feeder's
     SIGTERM) reconnects without knowing it was replaced; its stream would then be the newest
     and displace the live process (soak seed 200307). A reconnect is a continued stream
-    (StreamSpec.continued), and the process is named by its start time (client_started_ns):
-      * a first stream is never refused: the process that opens a slot afresh holds it (a
-        restarted trainer, a pool of processes reusing a job name, a new pass);
+    (StreamSpec.continued), and a process is named by its start time (client_started_ns):
+      * a first stream is never refused: its process now holds the slot (a restarted trainer,
+        a pool of processes reusing a job name, a new pass), and the holder it displaced is
+        recorded as replaced;
       * a continued stream from the holder is its own reconnect;
-      * a continued stream from another process is refused if the holder took the slot with a
-        first stream (it replaced that process), or if it is older than a holder that only
-        reconnected here (after this feeder restarted, a replaced process may reconnect before
-        its replacement: the younger of the two is the replacement).
-    0 (an older client) is neither fenced nor recorded. The fence is per feeder process; across
-    hosts the time order needs clocks that agree far better than a restart takes (NTP: ms)."""
-    t = spec.client_started_ns
-    holder, took_first = job.holders.get((spec.rank, spec.worker_index), (0, False))
-    if not (spec.continued and t and holder) or t == holder or (t > holder and not took_first):
+      * a continued stream from a process replaced here is refused;
+      * one from a process this feeder has not seen on the slot (it streamed on another feeder
+        or process of this port, or this feeder restarted) is refused if it is older than the
+        holder, else it takes over: of two processes that both reconnect, the younger is the
+        replacement (soak seed 600390: under `serve --processes 2` the replacement had opened
+        its first stream on the other process).
+    0 (an older client) is neither fenced nor recorded. Across hosts the time order needs
+    clocks that agree far better than a restart takes (NTP: milliseconds)."""
+    t, slot = spec.client_started_ns, (spec.rank, spec.worker_index)
+    holder = job.holders.get(slot, 0)
+    if not (spec.continued and t and holder) or t == holder:
         return
-    how = "opened it afresh" if took_first else f"started {(holder - t) / 1e9:.9f} s later"
+    if t in job.replaced.get(slot, ()):
+        why = "it was replaced here by another process"
+    elif t < holder:
+        why = f"a process that started {(holder - t) / 1e9:.9f} s later holds it"
+    else:
+        return
     raise FailedPrecondition(
         f"stream of job {spec.job!r} rank {spec.rank} (worker {spec.worker_index}) continues a stream of a trainer "
-        f"process that no longer holds this rank: another process {how} (a restarted trainer took the rank "
-        "over), so this one may not take it back")
+        f"process that no longer holds this rank: {why} (a restarted trainer took the rank over), so this one "
+        "may not take it back")
+
+
+def hold(job: Job, slot: tuple[int, int], spec: StreamSpec) -> None:
+    """Record an accepted stream's process as the slot's holder (see fence)."""
+    t = spec.client_started_ns
+    if not t:
+        return
+    replaced = job.replaced.setdefault(slot, set())
+    old = job.holders.get(slot, 0)
+    if old and old != t:
+        replaced.add(old)
+        if len(replaced) > 64:   # a slot's history need not grow without end
+            replaced.discard(min(replaced))
+    if not spec.continued:
+        replaced.discard(t)   # a first stream is meant: a process may take a slot back afresh
+    job.holders[slot] = t
 
 
 class RankStream:

@@ -35,7 +35,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.lookahead_bytes", 4 << 20),
-    ("grpc.so_reuseport", 1),
 ]
 
 
@@ -75,7 +74,12 @@ class Server:
 
             self.tokens = TokenStore(cfg.tokens_file)
             interceptors.append(AuthInterceptor(self.tokens, STATUS))
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        # SO_REUSEPORT only among the processes of one `serve --processes N` (siblings): grpcio
+        # sets it by default, so a second feeder started on a taken port, with other data, would
+        # silently get half the connections (found by the soak: two scenarios' feeders on one
+        # port, a rank served another dataset's batches). Alone, the bind fails loudly.
+        reuse = [("grpc.so_reuseport", 1 if cfg.sibling_dir or cfg.reuse_port else 0)]
+        self.server = grpc.aio.server(options=SERVER_OPTIONS + reuse, interceptors=interceptors)
         add_to_server(FeederServicer(self.engine), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -106,9 +110,9 @@ class Server:
         if self.port == 0:
             if self.metrics_server is not None:
                 self.metrics_server.shutdown()
-            raise Unavailable(f"cannot listen on {cfg.listen}: the port is taken by another program (feeders "
-                              "share a port only with feeders, through SO_REUSEPORT) or the host is not an "
-                              "address of this machine")
+            raise Unavailable(f"cannot listen on {cfg.listen}: the port is taken by another program (a feeder too: feeders "
+                              "share a port only under `serve --processes N` or with --reuse-port) or the host "
+                              "is not an address of this machine")
         await self.server.start()
         if self.engine.siblings is not None:
             self._publisher = asyncio.create_task(self._publish_status())

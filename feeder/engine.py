@@ -33,6 +33,7 @@ class Engine:
         self.default = next(iter(sources))
         self.jobs = Jobs()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
+        self.planner = _started_pool(PLAN_THREADS, "feeder-plan")
         self.started = time.monotonic()
         self.ledger = _open_ledger(cfg.ledger) if cfg.ledger else None
         # One of several processes on this port (`feeder serve --processes N`)
@@ -71,7 +72,7 @@ class Engine:
         src = self.source(spec.dataset)
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
         # Off the loop: a source may read to plan (Kafka decides per job what an epoch is).
-        plan = await asyncio.to_thread(src.plan, spec, decoded)
+        plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded)
         stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize)
         try:
             stream.state = self.jobs.attach(spec, stream)
@@ -143,6 +144,7 @@ class Engine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.planner.shutdown(wait=False, cancel_futures=True)
         for src in self.sources.values():
             src.close()
         if self.ledger:
@@ -157,6 +159,23 @@ def _rank_status(r, region: str) -> RankStatus:
                       last_error=r.last_error, peer=r.peer, restarts=max(0, r.streams_opened - 1),
                       failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
                       state=r.state)
+
+
+# Threads that make plans (Source.plan may block: a Kafka epoch's snapshot is built once while
+# its job's other ranks wait for it), apart from the batch threads so those never wait on it.
+PLAN_THREADS = 4
+
+
+def _started_pool(n: int, prefix: str) -> ThreadPoolExecutor:
+    """A pool with all its threads started now: a feeder's thread count is then fixed from the
+    start (tests/test_resources.py counts threads after stream storms; a lazily grown pool
+    reads as a leak)."""
+    pool = ThreadPoolExecutor(n, thread_name_prefix=prefix)
+    barrier = threading.Barrier(n + 1)
+    for _ in range(n):
+        pool.submit(barrier.wait)
+    barrier.wait()
+    return pool
 
 
 def _open_ledger(path: str):

@@ -75,26 +75,21 @@ class PlannedRun:
 
     def one(self, j: int) -> "PlannedRun":
         """Batch j alone, as a run."""
-        a = (int(self.stops[j - 1]) if j else self.start) - self.start
-        b = int(self.stops[j]) - self.start
-        tok, cur = self.tokens, self.cursors
-        return PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + a,
-                          step=self.step + j, ids=self.ids[a:b], stops=self.stops[j:j + 1],
-                          samples_in_epoch=self.samples_in_epoch, tokens=None if tok is None else tok[a:b],
-                          cursors=None if cur is None else cur[j:j + 1])
+        return self._part(j, j + 1)
 
     def split(self, k: int) -> tuple["PlannedRun", "PlannedRun"]:
         """The first k batches, and the rest."""
-        cut = int(self.stops[k - 1]) - self.start   # samples in the first k batches
+        return self._part(0, k), self._part(k, len(self))
+
+    def _part(self, i: int, j: int) -> "PlannedRun":
+        """Batches i..j-1, as a run (views of this run's arrays)."""
+        a = (int(self.stops[i - 1]) if i else self.start) - self.start   # their samples: [a, b)
+        b = int(self.stops[j - 1]) - self.start if j > i else a
         tok, cur = self.tokens, self.cursors
-        head = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start, step=self.step,
-                          ids=self.ids[:cut], stops=self.stops[:k], samples_in_epoch=self.samples_in_epoch,
-                          tokens=None if tok is None else tok[:cut], cursors=None if cur is None else cur[:k])
-        tail = PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + cut,
-                          step=self.step + k, ids=self.ids[cut:], stops=self.stops[k:],
-                          samples_in_epoch=self.samples_in_epoch,
-                          tokens=None if tok is None else tok[cut:], cursors=None if cur is None else cur[k:])
-        return head, tail
+        return PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + a,
+                          step=self.step + i, ids=self.ids[a:b], stops=self.stops[i:j],
+                          samples_in_epoch=self.samples_in_epoch, tokens=None if tok is None else tok[a:b],
+                          cursors=None if cur is None else cur[i:j])
 
 
 class StreamPlan:
@@ -147,8 +142,8 @@ class StreamPlan:
             why = f"rank {c.rank} of world_size {c.world_size}"
         elif c.base > self.n:
             why = f"base {c.base} past the epoch's {self.n} samples"
-        elif c.pos > sampler.per_rank(self.n - c.base, c.world_size, self.spec.drop_last):
-            why = f"position {c.pos} past the rank's {sampler.per_rank(self.n - c.base, c.world_size, self.spec.drop_last)} samples"
+        elif c.pos > (per := sampler.per_rank(self.n - c.base, c.world_size, self.spec.drop_last)):
+            why = f"position {c.pos} past the rank's {per} samples"
         elif c.step > self.n:   # (after a reshard pos restarts at 0 and step goes on: not bounded by pos)
             why = f"step {c.step} past the epoch's {self.n} samples"
         if why is not None:

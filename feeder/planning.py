@@ -125,7 +125,14 @@ class StreamPlan:
         if wrong is not None:
             raise wrong
         self._check_position(c)
-        if s.reshard:
+        # reshard re-deals what is left of the epoch over a new world size, from where the old
+        # ranks stood (in lockstep). A cursor of a dealing over this very world size already
+        # names that place in it, for every rank: they go on in that dealing. Re-dealing it
+        # would start a new segment, whose padding comes from another place in the order
+        # (soak seed 600466: a resharded rank's new pass, with reshard still set, began its
+        # own segment 6 steps ahead of the others, and its last batch differed from the one
+        # the feeder had served for that step; `feeder audit` found the conflict).
+        if s.reshard and c.world_size != s.world_size:
             if c.pos >= sampler.per_rank(self.n - c.base, c.world_size, s.drop_last):
                 # The old dealing ran to its end, and so did the epoch: what drop_last left out
                 # of it stays out, as in an uninterrupted run, rather than be dealt again.

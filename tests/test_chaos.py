@@ -44,7 +44,7 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
 def test_regression_seeds_are_pinned_to_the_scenarios_that_failed():
     from tests.chaos.scenario import PINNED
 
-    assert {666, 127, 17809, 543, 258, 200307, 500064} <= set(PINNED)
+    assert {666, 127, 17809, 543, 258, 200307, 500064, 600466} <= set(PINNED)
     assert Scenario.from_seed(17809).describe().endswith("faults=[blackhole(f0@b97+500ms)]")
     assert not set(COVERAGE) & set(PINNED)
 
@@ -110,3 +110,12 @@ def test_regression_seed_500064_a_replacement_whose_first_request_never_arrived_
     the feeder (a blackholed link) retried as a reconnect and was fenced off its own rank.
     A client's streams now count as continued once one of them delivered a reply."""
     _run(500064)
+
+
+def test_regression_seed_600466_a_resharded_rank_starting_a_new_pass_ahead_of_the_others():
+    """Found by the soak of the fence's third version (and failing on the code before it):
+    world 8 -> 4, then rank 3 began a new pass from its own cursor with reshard still set,
+    6 steps ahead of the other ranks. The feeder re-dealt from there, and `feeder audit` found
+    two different batches served for (epoch 0, world 4, rank 3, step 57). A cursor of the
+    dealing over the same world size now goes on in that dealing instead of re-dealing it."""
+    _run(600466)

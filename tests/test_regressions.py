@@ -276,6 +276,30 @@ def test_reshard_at_an_epochs_end_does_not_deal_drop_lasts_tail_again():
                                                                     epoch=1)
 
 
+def test_a_resharded_ranks_own_cursor_resumes_its_dealing_instead_of_re_dealing_it():
+    """Found by the soak (seed 600466): world 8 -> 4 by reshard, then rank 3 began a new pass 6
+    steps ahead of the other ranks, from its own cursor, with reshard still on. The feeder
+    re-dealt from where rank 3 alone stood, so the padding of its last batch came from another
+    place in the order than in the batch it had already served for that step (`feeder audit`:
+    conflicting batches). A cursor of a dealing over the same world size now goes on in it."""
+    from feeder.cursor import DEV_SECRET, Cursor
+    from feeder.pipeline.plan import StreamPlan
+
+    def spec(world, rank, **kw):
+        return StreamSpec(job="own", rank=rank, world_size=world, seq_len=1, micro_batch=2, seed=5,
+                          num_epochs=1, **kw)
+
+    def plan(sp, cur):
+        c = None if cur is None else Cursor.decode(cur.encode(DEV_SECRET), DEV_SECRET)
+        return list(StreamPlan(sp, n_tokens=104, fingerprint="f", cursor=c).batches())
+
+    at8 = plan(spec(8, 0), None)[1].cursor                   # every rank of world 8 took 2 batches
+    resharded = plan(spec(4, 3, reshard=True), at8)         # rank 3 of the new world 4
+    own = resharded[2].cursor                                # its own cursor, 3 batches on
+    again = plan(spec(4, 3, reshard=True), own)              # a new pass, reshard still set
+    assert [(b.step, b.ids.tolist()) for b in again] == [(b.step, b.ids.tolist()) for b in resharded[3:]]
+
+
 def test_load_state_dict_reaches_persistent_workers_for_the_next_pass(feeder, stream):
     """Found by the fault harness (seed 543): after a pass broken off at step 30 and
     load_state_dict(cursor of step 30), the next pass over 3 persistent workers went on from

@@ -214,3 +214,11 @@ _pin(
         failback_s=0.0, step_ms=0, ckpt_every=1, faults=(Fault(kind='supersede', at_batch=5, at_ms=0, rank=2,
         target=0, heal_ms=0, hold_ms=0, detail=''), Fault(kind='blackhole', at_batch=17, at_ms=0, rank=3, target=0,
         heal_ms=500, hold_ms=0, detail=''))))
+_pin(
+        Scenario(seed=600466, n_docs=100, seq_len=8, micro_batch=4, world=8, workers=0, persistent=False, context='',
+        num_epochs=1, take=0, start_epoch=0, shuffle=True, drop_last=False, data_seed=654, compression='none',
+        link_kbps=0, message_bytes=1048576, prefetch_messages=8, read_ahead=2, targets=3, processes=1, spread=False,
+        failback_s=0.0, step_ms=1, ckpt_every=1, faults=(Fault(kind='sigterm', at_batch=0, at_ms=823, rank=7,
+        target=0, heal_ms=0, hold_ms=0, detail=''), Fault(kind='reshard', at_batch=32, at_ms=0, rank=5, target=0,
+        heal_ms=0, hold_ms=0, detail='4'), Fault(kind='repass', at_batch=38, at_ms=0, rank=7, target=1, heal_ms=0,
+        hold_ms=0, detail=''))))

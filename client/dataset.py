@@ -36,6 +36,11 @@ class FeederDataset(IterableDataset):
             num_epochs (0: no end), reshard, expected_fingerprint, dataset, bad_records,
             compression, compression_level: the stream (feeder.config.StreamSpec): they
             decide the rank's samples; the same values give the same samples on any feeder.
+        mixture, epoch_samples, remix: draw from several of the feeder's named sources by
+            weight ({"web": 0.7, "code": 0.3}, normalized), epoch_samples positions per epoch
+            (0: the sources' samples summed); remix=True continues a cursor of another mixture
+            under this one. Each batch then has `sources` (the index of each sample's source in
+            this mixture) and `sample_ids` within that source. README "Mixtures" has the rules.
         cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
             batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
         read_ahead .. keep_freed_memory: how the stream is carried (ClientConfig: read-ahead,
@@ -62,7 +67,8 @@ class FeederDataset(IterableDataset):
                  prefer: str = "rtt", tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = "",
                  token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64,
                  failback_s: float = 60.0, pin_memory: bool | None = None,
-                 keep_freed_memory: bool = True):
+                 keep_freed_memory: bool = True, mixture: Mapping[str, float] | Sequence | None = None,
+                 epoch_samples: int = 0, remix: bool = False):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -73,7 +79,8 @@ class FeederDataset(IterableDataset):
                                epoch=epoch, num_epochs=num_epochs, compression=compression,
                                compression_level=compression_level, reshard=reshard,
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
-                               bad_records=bad_records, client_started_ns=process_started_ns())
+                               bad_records=bad_records, client_started_ns=process_started_ns(),
+                               mixture=mixture_pairs(mixture), epoch_samples=epoch_samples, remix=remix)
         self.targets = tuple(targets)
         self.cursor = cursor
         # Plain values only (no gRPC objects): the dataset is pickled to DataLoader workers.
@@ -181,3 +188,17 @@ def _remove_anchor(path: str, owner: int) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def mixture_pairs(mixture) -> tuple[tuple[str, float], ...]:
+    """A mixture as StreamSpec takes it: {name: weight} or [(name, weight), ...], in order."""
+    if mixture is None:
+        return ()
+    pairs = mixture.items() if isinstance(mixture, Mapping) else mixture
+    try:
+        return tuple((name, weight) for name, weight in pairs)
+    except (TypeError, ValueError):
+        from feeder.errors import InvalidArgument
+
+        raise InvalidArgument(f"mixture must be {{source: weight}} or [(source, weight), ...], got {mixture!r:.80}") \
+            from None

@@ -37,6 +37,9 @@ class FeederBatch:
     step: int
     cursor: bytes             # pass as cursor= to resume right after this batch
     region: str = ""
+    # A mixture's: int64 [n], the index in the mixture of each sample's source (sample_ids are
+    # then ids within that source). None without a mixture.
+    sources: torch.Tensor | None = None
 
 
 def pinned(n: int, sample_len: int) -> torch.Tensor:
@@ -50,7 +53,7 @@ def pinned(n: int, sample_len: int) -> torch.Tensor:
 
 
 def decode(b: pb.Batch, region: str = "",
-           alloc: Callable[[int, int], torch.Tensor] | None = None) -> FeederBatch:
+           alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None) -> FeederBatch:
     """One batch's tensors; FeederError(DATA_LOSS) when the batch is corrupt.
 
     The tokens are widened from the reply into their int64 tensor in one pass: into a fresh
@@ -74,4 +77,11 @@ def decode(b: pb.Batch, region: str = "",
         tokens = alloc(b.n, b.sample_len)
         np.copyto(tokens.numpy(), src)
     ids = torch.from_numpy(np.frombuffer(b.sample_ids, dtype="<i8").astype(np.int64))
-    return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region)
+    src = None
+    if sources is not None:
+        if len(sources) != 8 * b.n:
+            raise FeederError(f"batch epoch {b.epoch} step {b.step} names the sources of {len(sources) // 8} "
+                              f"samples, expected {b.n}", code=Code.DATA_LOSS)
+        src = torch.from_numpy(np.frombuffer(sources, dtype="<i8").astype(np.int64))
+    return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region,
+                       sources=src)

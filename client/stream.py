@@ -327,8 +327,9 @@ class FeederClient:
         False on close(); a corrupt batch raises FeederError after the good ones before it."""
         run, size = [], max(1, self._q.capacity // 2)
         try:
-            for b in reply.batches:
-                run.append(decode(b, reply.region, self._alloc))
+            sources = reply.sources   # a mixture's: one entry per batch
+            for j, b in enumerate(reply.batches):
+                run.append(decode(b, reply.region, self._alloc, sources[j] if sources else None))
                 if len(run) >= size:
                     if not self._hand(run):
                         return False

@@ -633,6 +633,51 @@ done:
     return out;
 }
 
+/* blend(weights, index, draw): Megatron-LM's blending of datasets by weight
+ * (megatron/core/datasets/helpers.cpp, build_blending_indices): slot i goes to the source d
+ * with the largest weights[d] * max(i, 1) - count[d] (ties to the lowest d), and draw[i] is
+ * count[d] before it. The same double arithmetic, so the counts are Megatron's bit for bit.
+ * weights: float64 [D] (normalized), index: int16 [n] (out), draw: int64 [n] (out). */
+static PyObject *blend(PyObject *self, PyObject *args) {
+    Py_buffer w, idx, draw;
+    if (!PyArg_ParseTuple(args, "y*w*w*", &w, &idx, &draw)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t nd = w.len / (Py_ssize_t)sizeof(double), n = idx.len / (Py_ssize_t)sizeof(int16_t);
+    int64_t *count = NULL;
+    if (nd < 1 || nd > 32767 || draw.len != n * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "blend: 1..32767 weights, and index/draw of one length");
+        goto done;
+    }
+    count = PyMem_Calloc((size_t)nd, sizeof(int64_t));
+    if (!count) { PyErr_NoMemory(); goto done; }
+    {
+        const double *wt = (const double *)w.buf;
+        int16_t *ix = (int16_t *)idx.buf;
+        int64_t *dr = (int64_t *)draw.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            double at = i > 1 ? (double)i : 1.0;
+            Py_ssize_t best = 0;
+            double err = wt[0] * at - (double)count[0];
+            for (Py_ssize_t d = 1; d < nd; d++) {
+                double e = wt[d] * at - (double)count[d];
+                if (e > err) { best = d; err = e; }
+            }
+            ix[i] = (int16_t)best;
+            dr[i] = count[best]++;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&draw);
+    PyMem_Free(count);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame", frame, METH_VARARGS,
      "frame(tokens, payloads, ids, counts, epochs, steps, cursors, sample_len, itemsize, dtype, compression, "
@@ -642,6 +687,7 @@ static PyMethodDef methods[] = {
     {"crc32c_soft", crc32c_soft_py, METH_VARARGS, "The same by table (the fallback without SSE4.2; for tests)."},
     {"cursors", cursors, METH_VARARGS,
      "cursors(key64, head, epoch, base, stops, first_step) -> [head | tail | HMAC-SHA256[:16]] per stop"},
+    {"blend", blend, METH_VARARGS, "blend(weights f8[D], index i2[n] out, draw i8[n] out): Megatron's blending"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from feeder.config import named_sources
 from feeder.errors import FeederError
 
 EXIT_USER = 2
@@ -38,7 +39,7 @@ def cmd_publish(args) -> int:
 
 # serve flag -> ServeConfig field. Flags default to None so that a region file (--config)
 # fills what the command line leaves out, and the command line wins where both speak.
-SERVE_FLAGS = {"source": "source", "listen": "listen", "region": "region",
+SERVE_FLAGS = {"listen": "listen", "region": "region",
                "prefetch_messages": "prefetch_messages", "prefetch_bytes": "prefetch_bytes",
                "message_bytes": "message_bytes", "compression": "default_compression",
                "compression_level": "default_level", "threads": "threads", "grace": "grace_s",
@@ -58,10 +59,16 @@ def serve_config(args):
         from feeder.regions import load_region
 
         values = load_region(args.config)
+    if isinstance(values.get("source"), list):   # a region file's list of NAME=DATASET
+        values.update(named_sources(values.pop("source")))
     for flag, field in SERVE_FLAGS.items():
         v = getattr(args, flag)
         if v is not None:
             values[field] = v
+    if args.source is not None:
+        values.pop("source", None)
+        values.pop("sources", None)
+        values.update(named_sources(args.source))
     if args.peers is not None:
         pairs = [p.partition("=") for p in args.peers.split(",") if p]
         if not all(sep and name and addr for name, sep, addr in pairs):
@@ -76,9 +83,9 @@ def serve_config(args):
             raise InvalidArgument(f"cannot read the cursor secret {secret_file}: {e.strerror}") from None
     else:
         values["cursor_secret"] = os.environ.get("FEEDER_CURSOR_SECRET", "").encode()
-    if "source" not in values:
-        raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... or a --config region file with "
-                              "source = ...")
+    if "source" not in values and "sources" not in values:
+        raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... (or NAME=DIR|URL, repeated) or a "
+                              "--config region file with source = ...")
     cfg = ServeConfig(**values)
     if args.metrics_port is not None:  # on the listen host unless told otherwise
         host = args.metrics_host or cfg.listen.rpartition(":")[0]
@@ -277,8 +284,10 @@ def _add_serve(sub) -> None:
                                    "listening on HOST:PORT` once it accepts streams. Exit 0 after a clean stop; 2,"
                                    " with one line, for a bad setting or dataset.")
     s.add_argument("--config", help="region file (TOML, e.g. deploy/regions/us-east.toml); flags override it")
-    s.add_argument("--source", help="dataset directory (manifest.json, or Parquet token files), "
-                   "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]")
+    s.add_argument("--source", action="append", help="dataset directory (manifest.json, or Parquet token files), "
+                   "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]; several as "
+                   "NAME=DIR|URL, the flag repeated (streams ask for one by name, or for a mixture; the first "
+                   "is the default)")
     s.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:7070; port 0: any free port). Beyond "
                    "loopback it needs --tls-cert/--tls-key, or --insecure")
     s.add_argument("--region", help="this feeder's region name (default local)")

@@ -3,6 +3,7 @@ one raises InvalidArgument saying what was given and what was expected."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
+MAX_SOURCES = 256    # sources in one mixture
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHOWN_CHARS = 64
 
@@ -73,6 +75,33 @@ def _text(name: str, value, *, limit: int | None = None) -> None:
                               f"{f' (at most {limit})' if limit else ''}, got {shown(value)}")
 
 
+def _mixture(mixture, dataset: str) -> None:
+    """Names unique and printable, weights finite and >= 0, at least one > 0."""
+    if not isinstance(mixture, tuple) or not all(isinstance(m, tuple) and len(m) == 2 for m in mixture):
+        raise InvalidArgument(f"mixture must be (source, weight) pairs, got {shown(mixture)}")
+    if not mixture:
+        return
+    if dataset:
+        raise InvalidArgument(f"a stream asks for one dataset or a mixture, not both: got dataset={shown(dataset)} "
+                              "and a mixture")
+    if len(mixture) > MAX_SOURCES:
+        raise InvalidArgument(f"a mixture has at most {MAX_SOURCES} sources, got {len(mixture)}")
+    seen = set()
+    for name, weight in mixture:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable() \
+                or _LONE_SURROGATE.search(name):
+            raise InvalidArgument(f"mixture source names must be printable names of 1..{MAX_NAME} characters, "
+                                  f"got {shown(name)}")
+        if name in seen:
+            raise InvalidArgument(f"mixture names source {shown(name)} twice; each source once, with one weight")
+        seen.add(name)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or weight < 0:
+            raise InvalidArgument(f"mixture weight of {shown(name)} must be a finite number >= 0, got {shown(weight)}")
+    if not any(w > 0 for _, w in mixture):
+        raise InvalidArgument(f"mixture weights must not all be 0, got {shown(dict(mixture))}")
+
+
 def _compression(name: str, value: str, level: int) -> None:
     if value not in COMPRESSIONS:
         raise InvalidArgument(f"{name} must be one of {', '.join(COMPRESSIONS)}, got {shown(value)}")
@@ -112,6 +141,12 @@ class StreamSpec:
     # open. Together they fence a replaced trainer off its replacement's rank (Jobs.attach).
     client_started_ns: int = 0
     continued: bool = False
+    # A mixture of named sources ((name, weight), in order; () = one dataset), the positions
+    # of its epoch (0: the sources' samples summed, filled in by the feeder), and whether a
+    # cursor of another mixture is re-dealt under this one (feeder.mixture).
+    mixture: tuple[tuple[str, float], ...] = ()
+    epoch_samples: int = 0
+    remix: bool = False
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -129,7 +164,9 @@ class StreamSpec:
         if self.epoch + self.num_epochs > UINT32_MAX:
             raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
                                   f"got {self.epoch} + {self.num_epochs}")
-        for flag in ("shuffle", "drop_last", "reshard", "continued"):
+        _mixture(self.mixture, self.dataset)
+        _non_negative("epoch_samples", self.epoch_samples, upper=UINT64_MAX)
+        for flag in ("shuffle", "drop_last", "reshard", "continued", "remix"):
             _flag(flag, getattr(self, flag))
         # "": the feeder chooses, and it may choose zstd at this level.
         _compression("compression", self.compression or "zstd", self.compression_level)
@@ -153,9 +190,29 @@ class StreamSpec:
         return UINT32_MAX + 1 if self.num_epochs == 0 else self.epoch + self.num_epochs
 
 
+_NAMED = re.compile(r"([A-Za-z0-9_.-]+)=(.+)", re.S)
+
+
+def named_sources(values: list[str]) -> dict:
+    """`--source` values (or a region file's): one unnamed DIR|URL, or NAME=DIR|URL each, as
+    ServeConfig's `source` or `sources`."""
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise InvalidArgument(f"source must be a dataset or a list of NAME=DATASET, got {shown(values)}")
+    named = [_NAMED.fullmatch(v) for v in values]
+    if len(values) == 1 and not named[0]:
+        return {"source": values[0]}
+    unnamed = [v for v, m in zip(values, named) if not m]
+    if unnamed:
+        raise InvalidArgument(f"with several sources each needs a name: --source NAME=DIR|URL, got {shown(unnamed[0])}")
+    return {"sources": tuple((m.group(1), m.group(2)) for m in named)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
-    source: str
+    source: str = ""             # one dataset, named after its directory or topic
+    # Or several, by name (`--source NAME=DIR|URL`, repeated): a stream asks for one by name
+    # (`dataset`), or for a mixture of them; the first is the default.
+    sources: tuple[tuple[str, str], ...] = ()
     listen: str = "127.0.0.1:7070"
     region: str = "local"
     # Per-stream prefetch: at most this many messages and bytes wait in the queue.
@@ -199,8 +256,16 @@ class ServeConfig:
     reuse_port: bool = False
 
     def __post_init__(self):
-        if not self.source:
-            raise InvalidArgument("source must name a dataset directory, got ''")
+        if bool(self.source) == bool(self.sources):
+            raise InvalidArgument("serve needs one dataset (source) or several named ones (sources), got "
+                                  f"{'both' if self.source else 'neither'}")
+        names = [n for n, _ in self.sources]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"source names must be unique, got {names}")
+        for name, where in self.sources:
+            if not _NAMED.fullmatch(f"{name}={where}") or len(name) > MAX_NAME:
+                raise InvalidArgument(f"a source needs a name of letters, digits, _ . - and a dataset, got "
+                                      f"{shown(name)}={shown(where)}")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise InvalidArgument(f"listen must be HOST:PORT, got {shown(self.listen)}")

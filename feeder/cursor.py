@@ -27,7 +27,7 @@ except ImportError:  # no C compiler at install
 MAGIC = b"FC"
 # 2 added `src` (as text); 3 made it typed, by kind. Versions 1 and 2 are still accepted.
 VERSION = 3
-KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW = 1, 2, 3
+KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW, KIND_MIXTURE = 1, 2, 3, 4
 MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
 DEV_SECRET = b"feeder-development-secret-not-for-production"
@@ -75,8 +75,62 @@ class KafkaFollow:
         return cls(partitions=p, next=nxt, turn=turn, k=k, skip=skip, i=i)
 
 
-Position = KafkaEpoch | KafkaFollow | None
-_KIND = {type(None): KIND_SAMPLED, KafkaEpoch: KIND_KAFKA_EPOCH, KafkaFollow: KIND_KAFKA_FOLLOW}
+@dataclass(frozen=True)
+class Mixture:
+    """A mixture of sources: what decides which source fills each position and which of its
+    samples (feeder.mixture has the rules). Per source, in the mixture's order: its name, its
+    data's fingerprint, its normalized weight, and its draws made before epoch `ref_epoch`
+    (the draw counters, which run on across epochs and mixture changes). In `ref_epoch` the
+    blending starts at `mix_base` of the epoch's global order (> 0 after a mid-epoch remix)."""
+    names: tuple[str, ...]
+    fingerprints: tuple[str, ...]
+    weights: tuple[float, ...]
+    offsets: tuple[int, ...]
+    epoch_samples: int
+    ref_epoch: int = 0
+    mix_base: int = 0
+
+    _ONE = struct.Struct(">dQ")
+    _TAIL = struct.Struct(">QIQ")
+
+    def __post_init__(self):
+        k = len(self.names)
+        if not 0 < k <= 32767 or not len(self.fingerprints) == len(self.weights) == len(self.offsets) == k:
+            raise ValueError("a mixture position needs a name, fingerprint, weight and offset per source")
+
+    def pack(self) -> bytes:
+        out = [struct.pack(">H", len(self.names))]
+        for name, fp, w, off in zip(self.names, self.fingerprints, self.weights, self.offsets):
+            nb, fb = name.encode(), fp.encode()
+            out += [struct.pack(">H", len(nb)), nb, struct.pack(">H", len(fb)), fb, self._ONE.pack(w, off)]
+        out.append(self._TAIL.pack(self.epoch_samples, self.ref_epoch, self.mix_base))
+        return b"".join(out)
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "Mixture":
+        (k,), at = struct.unpack_from(">H", b), 2
+        names, fps, ws, offs = [], [], [], []
+        for _ in range(k):
+            (ln,) = struct.unpack_from(">H", b, at)
+            names.append(b[at + 2:at + 2 + ln].decode())
+            at += 2 + ln
+            (lf,) = struct.unpack_from(">H", b, at)
+            fps.append(b[at + 2:at + 2 + lf].decode())
+            at += 2 + lf
+            w, off = cls._ONE.unpack_from(b, at)
+            ws.append(w)
+            offs.append(off)
+            at += cls._ONE.size
+        n, ref, base = cls._TAIL.unpack_from(b, at)
+        if at + cls._TAIL.size != len(b):
+            raise struct.error(f"a mixture position of {k} sources has {len(b)} bytes")
+        return cls(names=tuple(names), fingerprints=tuple(fps), weights=tuple(ws), offsets=tuple(offs),
+                   epoch_samples=n, ref_epoch=ref, mix_base=base)
+
+
+Position = KafkaEpoch | KafkaFollow | Mixture | None
+_KIND = {type(None): KIND_SAMPLED, KafkaEpoch: KIND_KAFKA_EPOCH, KafkaFollow: KIND_KAFKA_FOLLOW,
+         Mixture: KIND_MIXTURE}
 
 
 def _position_bytes(src: Position) -> bytes:
@@ -103,6 +157,8 @@ def _position(version: int, kind: int, raw: bytes) -> Position:
         return KafkaEpoch(raw.decode())
     if kind == KIND_KAFKA_FOLLOW:
         return KafkaFollow.unpack(raw)
+    if kind == KIND_MIXTURE:
+        return Mixture.unpack(raw)
     raise FailedPrecondition(f"cursor kind {kind} cannot resume this stream")
 
 
@@ -150,7 +206,7 @@ class Cursor:
             raise FailedPrecondition(
                 "cursor failed verification: it was altered, truncated, or issued by a feeder "
                 "with another cursor secret")
-        if body[3] not in (KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW) or (data[2] < 3 and body[3] != 1):
+        if body[3] not in (KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW, KIND_MIXTURE) or (data[2] < 3 and body[3] != 1):
             raise FailedPrecondition(f"cursor kind {body[3]} cannot resume this stream")
         try:
             at = 4

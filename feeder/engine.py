@@ -3,6 +3,7 @@ translates requests into StreamSpecs and FeederErrors into status codes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from feeder.pipeline.batcher import Block
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.siblings import Siblings
 from feeder.sources import Source
+from feeder.sources.mixture import MixtureSource
 from feeder.process_status import JobStatus, ProcessStatus, RankStatus
 
 log = logging.getLogger("feeder.engine")
@@ -31,6 +33,7 @@ class Engine:
         self.serialize = serialize   # Block -> wire bytes, run on the pool threads
         self.sources = sources
         self.default = next(iter(sources))
+        self._mixtures: dict[tuple, MixtureSource] = {}
         self.jobs = Jobs()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
         self.planner = _started_pool(PLAN_THREADS, "feeder-plan")
@@ -67,9 +70,23 @@ class Engine:
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
                        for j in jobs))
 
+    def mixture(self, spec: StreamSpec) -> tuple[MixtureSource, StreamSpec]:
+        """The mixture a stream asks for, and its spec with epoch_samples filled in (ranks of a
+        job compare it: one that leaves it to the feeder agrees with one that names the sum)."""
+        src = self._mixtures.get(spec.mixture)
+        if src is None:
+            src = MixtureSource(spec.mixture, self.sources)
+            if len(self._mixtures) >= 64:   # a job's mixture lives as long as the job asks for it
+                self._mixtures.pop(next(iter(self._mixtures)))
+            self._mixtures[spec.mixture] = src
+        return src, dataclasses.replace(spec, epoch_samples=src.epoch_samples(spec))
+
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
                           failover: bool = False) -> RankStream:
-        src = self.source(spec.dataset)
+        if spec.mixture:
+            src, spec = self.mixture(spec)
+        else:
+            src = self.source(spec.dataset)
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
         # Off the loop: a source may read to plan (Kafka decides per job what an epoch is).
         plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded)
@@ -83,10 +100,12 @@ class Engine:
         stream.state.last_error = ""
         stream.state.failovers += failover
         if self.ledger:
-            self.ledger.write(json.dumps({"open": spec.job, "region": self.cfg.region, "n": plan.n,
-                                          "world": spec.world_size, "rank": spec.rank, "seed": spec.seed,
-                                          "shuffle": spec.shuffle, "drop_last": spec.drop_last,
-                                          "fingerprint": plan.fingerprint}) + "\n")
+            opened = {"open": spec.job, "region": self.cfg.region, "n": plan.n, "world": spec.world_size,
+                      "rank": spec.rank, "seed": spec.seed, "shuffle": spec.shuffle, "drop_last": spec.drop_last,
+                      "fingerprint": plan.fingerprint}
+            if spec.mixture:   # what audit holds the per-source counts against
+                opened["mixture"] = dict(zip(src.names, src.weights))
+            self.ledger.write(json.dumps(opened) + "\n")
         log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s%s",
                  spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,
                  plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "",
@@ -98,10 +117,14 @@ class Engine:
         if self.ledger:
             s = stream.spec
             bounds = block.bounds()
-            self.ledger.write("".join(json.dumps({
-                "job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
-                "step": int(block.steps[j]), "ids": block.ids[bounds[j]:bounds[j + 1]].tolist()}) + "\n"
-                for j in range(len(block))))
+            lines = []
+            for j in range(len(block)):
+                rec = {"job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
+                       "step": int(block.steps[j]), "ids": block.ids[bounds[j]:bounds[j + 1]].tolist()}
+                if block.sources is not None:
+                    rec["sources"] = block.sources[bounds[j]:bounds[j + 1]].tolist()
+                lines.append(json.dumps(rec) + "\n")
+            self.ledger.write("".join(lines))
 
     def close_stream(self, stream: RankStream, reason: str) -> None:
         self.jobs.detach(stream.spec, stream)

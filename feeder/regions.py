@@ -80,5 +80,8 @@ def load_region(path: str) -> dict:
                 v = tuple(sorted(v.items()))
             elif field in PATHS and isinstance(v, str):
                 v = _expand(v, where, base)
+            elif field == "source" and isinstance(v, list):   # NAME=DATASET each (config.named_sources)
+                v = [f"{n}{sep}{_expand(d, where, base)}" if sep else _expand(n, where, base)
+                     for n, sep, d in (str(x).partition("=") for x in v)]
             out[field] = v
     return out

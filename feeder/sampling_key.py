@@ -21,7 +21,7 @@ DEAL = ("world_size", "rank")
 BATCHES = ("micro_batch", "epoch", "num_epochs")
 
 # What every rank of a job must share.
-JOB = ("dataset", "world_size", *SAMPLES, *BATCHES)
+JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES)
 # What a cursor records of the stream that wrote it, and a resumed stream must match
 # (world_size and rank only without reshard: re-dealing to another world is what reshard is for).
 CURSOR = ("job", "fingerprint", *SAMPLES, *DEAL)

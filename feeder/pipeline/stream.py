@@ -165,7 +165,8 @@ class Jobs:
                 raise job_mismatch(spec.job, j.key, key)
             j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
         if j is None:
-            j = self.jobs[spec.job] = Job(job=spec.job, dataset=spec.dataset, key=key, world_size=spec.world_size,
+            j = self.jobs[spec.job] = Job(job=spec.job, key=key, world_size=spec.world_size,
+                                          dataset=spec.dataset or "+".join(n for n, _ in spec.mixture),
                                           **fenced)
         slot = (spec.rank, spec.worker_index)
         hold(j, slot, spec)

@@ -99,7 +99,9 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       worker_index=r.worker_index, num_workers=max(1, r.num_workers),
                       worker_phase=r.worker_phase, reshard=r.reshard,
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records,
-                      client_started_ns=r.client_started_ns, continued=r.continued)
+                      client_started_ns=r.client_started_ns, continued=r.continued,
+                      mixture=tuple((m.source, m.weight) for m in r.mixture), epoch_samples=r.epoch_samples,
+                      remix=r.remix)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
@@ -119,7 +121,9 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         dataset=s.dataset, failover=failover, bad_records=s.bad_records,
         rtt_us=min(int(rtt_s * 1e6), 2**32 - 1) if rtt_s != float("inf") else 0,
         client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns,
-        continued=s.continued if continued is None else continued)
+        continued=s.continued if continued is None else continued,
+        mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
+        remix=s.remix)
 
 
 def status_reply(status: ProcessStatus) -> pb.StatusReply:

@@ -38,16 +38,26 @@ SERVER_OPTIONS = [
 ]
 
 
-def load_sources(cfg: ServeConfig) -> dict[str, Source]:
-    if cfg.source.startswith("kafka://"):
+def open_one(cfg: ServeConfig, where: str, name: str = "") -> Source:
+    """One dataset: a Kafka topic, or a directory (named after it unless `name` is given)."""
+    if where.startswith("kafka://"):
         from feeder.sources.kafka import KafkaSource, KafkaURL
 
-        src = KafkaSource(KafkaURL.parse(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id))
-    else:
-        from feeder.sources.posix import open_source
+        src = KafkaSource(KafkaURL.parse(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id))
+        if name:
+            src.name = name
+        return src
+    from feeder.sources.posix import open_source
 
-        src = open_source(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id)
-    return {src.name: src}
+    return open_source(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id, name=name)
+
+
+def load_sources(cfg: ServeConfig) -> dict[str, Source]:
+    """The feeder's datasets by name, the default first."""
+    if not cfg.sources:
+        src = open_one(cfg, cfg.source)
+        return {src.name: src}
+    return {name: open_one(cfg, where, name) for name, where in cfg.sources}
 
 
 class Server:

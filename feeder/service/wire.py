@@ -64,11 +64,21 @@ def encode_reply_py(block: Block, region: str) -> bytes:
     return b"".join(parts)
 
 
+def _sources(block: Block) -> bytes:
+    """StreamReply.sources (field 3), a mixture's: one entry per batch. Fields of a message may
+    come in any order and a repeated one is the concatenation of its entries, so they follow
+    the batches and the region as written by either writer."""
+    if block.sources is None:
+        return b""
+    src, bounds = block.sources.astype("<i8", copy=False), block.bounds()
+    return b"".join(b"".join(_ld(3, src[bounds[j]:bounds[j + 1]].tobytes())) for j in range(len(block)))
+
+
 def encode_reply(block: Block, region: str) -> bytes:
     if _frame is None:
-        return encode_reply_py(block, region)
+        return encode_reply_py(block, region) + _sources(block)
     rows = block.rows
     return _frame(block.tokens, block.payloads, block.ids, block.counts, block.epochs, block.steps, block.cursors,
                   block.sample_len, np.dtype(block.dtype).itemsize, DTYPE_ENUM[block.dtype],
                   COMPRESSION_ENUM[block.compression], region.encode(),
-                  None if rows is None else (rows.bufs, rows.which, rows.offs))
+                  None if rows is None else (rows.bufs, rows.which, rows.offs)) + _sources(block)

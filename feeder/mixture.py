@@ -1,0 +1,157 @@
+"""Mixtures: which source fills each position of an epoch, and with which of its samples.
+
+Pure: no I/O, no gRPC. An epoch of a mixture has N = epoch_samples positions, dealt to ranks
+exactly as a dataset of N samples would be (feeder.sampler: DistributedSampler, segments for
+elastic re-dealing). What fills position p (0-based, in the epoch's unshuffled order):
+
+* its source is Megatron-LM's blending rule over the blending's slots (`blend`): with weights
+  normalized to sum 1, slot j goes to the source d with the largest w_d * max(j, 1) - count_d,
+  ties to the first named. Normally slot j is position j; after a mid-epoch remix the slots are
+  the positions not consumed before it, in ascending order (`Mixture.mix_base`).
+* its sample is the source's next draw: the k-th draw from source d is the (k mod n_d)-th id
+  of the source's (k div n_d)-th permutation (`source_order`): without replacement, a source
+  repeats a sample only after all of its samples were drawn. Draw counters run on across
+  epochs (Mixture.offsets: the draws before epoch ref_epoch) and across remixes.
+
+A remix (a cursor of another mixture, resumed with remix=True) re-deals what the epoch has
+not consumed, from the same place reshard would (sampler.reshard_base), under the new
+weights; every draw the old mixture had assigned in that epoch is skipped rather than made
+again (so nothing repeats early), and a source new to the mixture starts at its first draw.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from feeder import sampler
+from feeder.cursor import Mixture
+
+try:
+    from feeder._native import blend as _native_blend
+except ImportError:  # no C compiler at install: the loop below, ~100x slower
+    _native_blend = None
+
+
+def normalized(weights) -> tuple[float, ...]:
+    """Weights over their sum, in float64 as Megatron's `normalize` computes them."""
+    w = np.asarray(weights, dtype=np.float64)
+    return tuple((w / np.sum(w)).tolist())
+
+
+_BLEND_CACHE: "OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]" = OrderedDict()
+_BLEND_LOCK = threading.Lock()
+_BLEND_BYTES = 256 << 20
+
+
+def blend(weights: tuple[float, ...], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source int16 [size], draw int64 [size], counts int64 [D]) of Megatron's blending of
+    `size` slots under normalized `weights`: slot j's source, the draws of that source before
+    slot j, and each source's total. Cached (every rank of a job shares one), read-only."""
+    key = (weights, size)
+    with _BLEND_LOCK:
+        hit = _BLEND_CACHE.get(key)
+        if hit is not None:
+            _BLEND_CACHE.move_to_end(key)
+            return hit
+    w = np.asarray(weights, dtype=np.float64)
+    index = np.empty(size, dtype=np.int16)
+    draw = np.empty(size, dtype=np.int64)
+    if _native_blend is not None:
+        _native_blend(w, index, draw)
+    else:
+        count = [0] * len(w)
+        wl = w.tolist()
+        for i in range(size):
+            at = float(max(i, 1))
+            best = max(range(len(wl)), key=lambda d: (wl[d] * at - count[d], -d))
+            index[i], draw[i] = best, count[best]
+            count[best] += 1
+    counts = np.bincount(index, minlength=len(w)).astype(np.int64)
+    for a in (index, draw, counts):
+        a.setflags(write=False)
+    out = (index, draw, counts)
+    with _BLEND_LOCK:
+        _BLEND_CACHE[key] = out
+        while len(_BLEND_CACHE) > 2 and sum(i.nbytes + d.nbytes for i, d, _ in _BLEND_CACHE.values()) > _BLEND_BYTES:
+            _BLEND_CACHE.popitem(last=False)
+    return out
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of a source's permutations: the job's seed moved by the source's name, so two
+    sources of one size draw in different orders."""
+    return (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
+
+
+def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool) -> np.ndarray:
+    """The source's `cycle`-th permutation of its n sample ids (identity without shuffle):
+    torch.randperm(n) under seed source_seed(seed, name) + cycle, as an epoch's order is."""
+    return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle)
+
+
+def offsets_at(mix: Mixture, epoch: int) -> np.ndarray:
+    """Each source's draws made before `epoch` (>= mix.ref_epoch) under this mixture."""
+    off = np.asarray(mix.offsets, dtype=np.int64)
+    if epoch == mix.ref_epoch:
+        return off
+    first = blend(mix.weights, mix.epoch_samples - mix.mix_base)[2]
+    full = blend(mix.weights, mix.epoch_samples)[2]
+    return off + first + (epoch - mix.ref_epoch - 1) * full
+
+
+def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, order: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(source index, draw number) of each position of `epoch`. `order` is the epoch's global
+    order (needed only in ref_epoch after a remix, to know which positions were consumed)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    slots = positions
+    size = mix.epoch_samples
+    if epoch == mix.ref_epoch and mix.mix_base:
+        consumed = np.sort(order[:mix.mix_base])
+        slots = positions - np.searchsorted(consumed, positions)   # rank among the unconsumed
+        size -= mix.mix_base
+    index, draw, _ = blend(mix.weights, size)
+    src = index[slots].astype(np.int64)
+    return src, offsets_at(mix, epoch)[src] + draw[slots]
+
+
+def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.ndarray, *, seed: int,
+               shuffle: bool) -> np.ndarray:
+    """The id within its source of each draw: draw k of source d is source_order(...,
+    k // n_d)[k % n_d]."""
+    out = np.empty(len(draws), dtype=np.int64)
+    for d in np.unique(src).tolist():
+        at = np.flatnonzero(src == d)
+        k, n = draws[at], sizes[d]
+        cycles, r = np.divmod(k, n)
+        for c in np.unique(cycles).tolist():
+            sel = cycles == c
+            out[at[sel]] = source_order(n, seed, mix.names[d], int(c), shuffle)[r[sel]]
+    return out
+
+
+def remixed(old: Mixture, new: Mixture, *, epoch: int, base: int) -> Mixture:
+    """The position of `new`'s mixture resumed where `old`'s stood: blending from `base` of
+    `epoch`'s global order (the epoch's first position when `epoch` is past the old one's
+    last), every source's counter past all the draws the old mixture assigned up to the end
+    of the epoch the old cursor stood in; a source new to the mixture starts at 0."""
+    stood = epoch if base else epoch - 1          # the last epoch the old mixture assigned draws in
+    after = offsets_at(old, stood + 1)
+    by_name = dict(zip(old.names, after.tolist()))
+    return Mixture(names=new.names, fingerprints=new.fingerprints, weights=new.weights,
+                   offsets=tuple(by_name.get(n, 0) for n in new.names), epoch_samples=new.epoch_samples,
+                   ref_epoch=epoch, mix_base=base)
+
+
+def counts(mix: Mixture, epoch: int) -> dict[str, int]:
+    """Positions each source fills in `epoch` (the whole epoch: after a remix, those consumed
+    before it counted under the old mixture are not known here)."""
+    size = mix.epoch_samples - (mix.mix_base if epoch == mix.ref_epoch else 0)
+    return dict(zip(mix.names, blend(mix.weights, size)[2].tolist()))
+
+
+__all__ = ["normalized", "blend", "source_order", "source_seed", "offsets_at", "sources_of", "sample_ids",
+           "remixed", "counts"]

@@ -1,0 +1,169 @@
+"""A mixture of a feeder's named sources, served as one stream (`MixtureSource`, `MixturePlan`).
+
+The positions of an epoch are dealt by a StreamPlan over N = epoch_samples virtual samples
+(so DistributedSampler, cursors, resume, reshard and DataLoader workers are exactly those of
+one dataset); this plan then says, per position, which source fills it and with which of its
+samples (feeder.mixture has the rules), and locates the rows in that source. Runs carry the
+source of each sample (`PlannedRun.sources`), which reaches the rank as `batch.sources`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Iterator
+
+import numpy as np
+
+from feeder import mixture as mx
+from feeder import sampler
+from feeder.config import StreamSpec
+from feeder.cursor import Cursor, Mixture
+from feeder.errors import FailedPrecondition, NotFound
+from feeder.planning import PlannedRun, Start, StreamPlan
+from feeder.rows import Rows
+
+
+def shown_mixture(names, weights) -> str:
+    return ",".join(f"{n}={w:.6g}" for n, w in zip(names, weights))
+
+
+class MixtureSource:
+    """The sources a mixture names, checked to fit together (one vocabulary, EOS and dtype)."""
+
+    def __init__(self, mixture: tuple[tuple[str, float], ...], sources: dict):
+        missing = [n for n, _ in mixture if n not in sources]
+        if missing:
+            raise NotFound(f"mixture source {missing[0]!r} is not served here (served: {sorted(sources)})",
+                           elsewhere=True)
+        self.names = tuple(n for n, _ in mixture)
+        self.parts = [sources[n] for n in self.names]
+        self.weights = mx.normalized([w for _, w in mixture])
+        first = self.parts[0]
+        for name, src in zip(self.names, self.parts):
+            if not src.n_tokens:
+                raise FailedPrecondition(f"mixture source {name!r} has no fixed size (a Kafka topic): mixtures "
+                                         "take sources on files")
+            for what in ("vocab_size", "eos_id", "dtype"):
+                if getattr(src, what) != getattr(first, what):
+                    raise FailedPrecondition(
+                        f"mixture source {name!r} has {what} {getattr(src, what)}, but {self.names[0]!r} has "
+                        f"{getattr(first, what)}: the sources of a mixture must share one tokenizer")
+        self.fingerprints = tuple(p.fingerprint for p in self.parts)
+        self.fingerprint = "mix-" + hashlib.sha256(
+            "\0".join(f"{n}\0{f}" for n, f in zip(self.names, self.fingerprints)).encode()).hexdigest()[:32]
+        self.name = "+".join(self.names)
+        self.vocab_size, self.eos_id, self.dtype = first.vocab_size, first.eos_id, first.dtype
+        self.n_tokens = sum(p.n_tokens for p in self.parts)
+        self.n_documents = sum(p.n_documents for p in self.parts)
+
+    def sizes(self, seq_len: int) -> tuple[int, ...]:
+        """Each source's samples at seq_len; a source too small for one is refused."""
+        sizes = tuple(sampler.n_samples(p.n_tokens, seq_len) for p in self.parts)
+        for name, n, p in zip(self.names, sizes, self.parts):
+            if n == 0:
+                raise FailedPrecondition(f"mixture source {name!r} has {p.n_tokens} tokens, too few for one sample "
+                                         f"of seq_len + 1 = {seq_len + 1} tokens")
+        return sizes
+
+    def epoch_samples(self, spec: StreamSpec) -> int:
+        """The request's epoch_samples, or the sources' samples summed."""
+        return spec.epoch_samples or sum(self.sizes(spec.seq_len))
+
+    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> "MixturePlan":
+        return MixturePlan(self, spec, cursor)
+
+    def close(self) -> None:
+        """The parts are the feeder's own sources: they close with it."""
+
+
+class MixturePlan:
+    """One rank's stream over a mixture (a `Plan`)."""
+
+    executor = None
+    bad_records = 0
+    lag: dict = {}
+
+    def __init__(self, src: MixtureSource, spec: StreamSpec, cursor: Cursor | None):
+        self.src, self.spec = src, spec
+        self.sizes = src.sizes(spec.seq_len)
+        n = src.epoch_samples(spec)
+        self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
+        want = Mixture(names=src.names, fingerprints=src.fingerprints, weights=src.weights,
+                       offsets=(0,) * len(src.names), epoch_samples=n, ref_epoch=spec.epoch, mix_base=0)
+        start = None
+        if cursor is not None:
+            cursor, self.mix, start = self._resume(cursor, want)
+        else:
+            self.mix = want
+        # A remix re-deals as reshard does, so the cursor may name another world size.
+        inner = dataclasses.replace(spec, reshard=True) if start is not None else spec
+        self.inner = StreamPlan(inner, n_tokens=n * spec.seq_len + 1, fingerprint=src.fingerprint, cursor=cursor,
+                                src=self.mix)
+        self.start = self.inner.start = start or self.inner.start
+
+    def _resume(self, c: Cursor, want: Mixture) -> tuple[Cursor, Mixture, Start | None]:
+        """The cursor to check the stream against, the mixture position it resumes, and the
+        start of a remix (None: the cursor's own place)."""
+        old = c.src
+        if type(old) is not Mixture:
+            raise FailedPrecondition("cursor does not fit this stream: it was written for one dataset, "
+                                     "this stream asks for a mixture")
+        if old.epoch_samples != want.epoch_samples:
+            raise FailedPrecondition(f"cursor does not fit this stream: epoch_samples differs: the cursor has "
+                                     f"{old.epoch_samples}, the request has {want.epoch_samples}")
+        theirs = dict(zip(old.names, old.fingerprints))
+        for name, fp in zip(want.names, want.fingerprints):
+            if name in theirs and theirs[name] != fp:
+                raise FailedPrecondition(
+                    f"cursor does not fit this stream: source {name!r} has another fingerprint here: the cursor "
+                    f"has {theirs[name]}, this feeder's {fp}", elsewhere=True)
+        if (old.names, old.weights) == (want.names, want.weights):
+            return c, old, None
+        if not self.spec.remix:
+            raise FailedPrecondition(
+                f"cursor does not fit this stream: mixture differs: the cursor has "
+                f"{shown_mixture(old.names, old.weights)}, the request has {shown_mixture(want.names, want.weights)}"
+                " (set remix to continue under the new mixture)")
+        # A remix re-deals the epoch's unconsumed positions from where reshard would.
+        s, n = self.spec, want.epoch_samples
+        c = dataclasses.replace(c, fingerprint=self.src.fingerprint)
+        StreamPlan(dataclasses.replace(s, reshard=True), n_tokens=n * s.seq_len + 1,
+                   fingerprint=self.src.fingerprint, cursor=c)   # checks the rest of the cursor
+        if c.pos >= sampler.per_rank(n - c.base, c.world_size, s.drop_last):
+            mix = mx.remixed(old, want, epoch=c.epoch + 1, base=0)
+            return c, mix, Start(epoch=c.epoch + 1, base=0, world=s.world_size, pos=0, step=0)
+        base = sampler.reshard_base(n=n, base=c.base, world=c.world_size, pos=c.pos)
+        mix = mx.remixed(old, want, epoch=c.epoch, base=base)
+        return c, mix, Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
+
+    def runs(self, max_batches: int = 64) -> Iterator[PlannedRun]:
+        s = self.spec
+        for run in self.inner.runs(max_batches):
+            order = sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle)
+            src, draws = mx.sources_of(self.mix, run.epoch, run.ids, order)
+            ids = mx.sample_ids(self.mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle)
+            yield dataclasses.replace(run, ids=ids, sources=src)
+
+    def locate(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Rows:
+        """Where each row lies in its own source: the sources' Rows, merged."""
+        bufs: list[np.ndarray] = []
+        which = np.empty(len(starts), dtype=np.int64)
+        offs = np.empty(len(starts), dtype=np.int64)
+        for d in np.unique(sources).tolist():
+            at = np.flatnonzero(sources == d)
+            rows = self.src.parts[d].locate(starts[at], n)
+            if not isinstance(rows, Rows):
+                rows = Rows.of(rows)
+            which[at] = rows.which + len(bufs)
+            offs[at] = rows.offs
+            bufs += rows.bufs
+        return Rows(bufs, which, offs, n)
+
+    def cursor_template(self) -> Cursor:
+        return self.inner.cursor_template()
+
+    def taken(self, step: int) -> None:
+        """Nothing to pass on: the sources are files."""
+
+    def close(self) -> None:
+        pass

@@ -23,6 +23,8 @@ class EpochAudit:
     drop_last: bool
     worlds: set = field(default_factory=set)
     batches: dict = field(default_factory=dict)      # (world, rank, step) -> ids
+    mixture: dict | None = None                      # {source: weight} of a mixture's epoch
+    sources: dict = field(default_factory=dict)      # (world, rank, step) -> a mixture's sources
     conflicts: list = field(default_factory=list)
     resent: int = 0
 
@@ -36,7 +38,13 @@ class EpochAudit:
         padding = sum(per_rank(self.n, w, False) * w - self.n for w in self.worlds) if not self.drop_last else 0
         dropped = sum(self.n - per_rank(self.n, w, True) * w for w in self.worlds) if self.drop_last else 0
         ok = not self.conflicts and extra <= padding and len(missing) <= dropped
-        return {"job": self.job, "epoch": self.epoch, "samples": self.n, "batches": len(self.batches),
+        out = {}
+        if self.mixture is not None:   # each source's positions against its weight's share
+            names = list(self.mixture)
+            got = Counter(names[d] for ids in self.sources.values() for d in ids)
+            out["per_source"] = {n: {"samples": got[n], "expected": round(w * self.n, 1)}
+                                 for n, w in self.mixture.items()}
+        return {**out, "job": self.job, "epoch": self.epoch, "samples": self.n, "batches": len(self.batches),
                 "resent_batches": self.resent, "missing": missing[:50], "n_missing": len(missing),
                 "duplicates": sorted(repeats)[:50], "n_duplicate_deliveries": extra, "padding_allowed": padding,
                 "conflicts": self.conflicts[:10], "exactly_once": ok}
@@ -67,13 +75,16 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
         m = meta.get(j)
         if m is None:
             raise InputError(f"ledger has batches of job {j!r} but no stream-open record")
-        ea = epochs[j, epoch] = EpochAudit(job=j, epoch=epoch, n=m["n"], drop_last=m["drop_last"])
+        ea = epochs[j, epoch] = EpochAudit(job=j, epoch=epoch, n=m["n"], drop_last=m["drop_last"],
+                                           mixture=m.get("mixture"))
         for r in recs:
             key = (r["world"], r["rank"], r["step"])
             ea.worlds.add(r["world"])
             seen = ea.batches.get(key)
             if seen is None:
                 ea.batches[key] = r["ids"]
+                if "sources" in r:
+                    ea.sources[key] = r["sources"]
             elif seen == r["ids"]:
                 ea.resent += 1
             else:

@@ -226,6 +226,9 @@ def cmd_audit(args) -> int:
             print(f"{head}: NOT exactly once: {r['n_missing']} missing {r['missing'][:20]}, "
                   f"{r['n_duplicate_deliveries']} duplicate deliveries {r['duplicates'][:20]} "
                   f"(padding allows {r['padding_allowed']}), {len(r['conflicts'])} conflicting batches")
+        if "per_source" in r:
+            print("  per source (positions filled / weight x samples): " + ", ".join(
+                f"{n} {v['samples']}/{v['expected']:g}" for n, v in r["per_source"].items()))
     if not results:
         print("no batches in the ledger" + (f" for job {args.job!r}" if args.job else ""))
         return 1

@@ -9,10 +9,11 @@ from pathlib import Path
 CORPUS_BYTES = 12 << 20
 
 
-def build_corpus(path: Path, limit: int = CORPUS_BYTES) -> int:
-    """Standard-library .py files and .txt/.rst docs, one document per file, sorted for determinism."""
+def build_corpus(path: Path, limit: int = CORPUS_BYTES, suffixes: tuple[str, ...] = (".py", ".txt", ".rst")) -> int:
+    """Standard-library files of these suffixes (.py sources, .txt/.rst docs), one document per
+    file, sorted for determinism."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*") if p.suffix in (".py", ".txt", ".rst") and p.is_file()
+    files = sorted(p for p in stdlib.rglob("*") if p.suffix in suffixes and p.is_file()
                    and "site-packages" not in p.parts and "test" not in p.parts)
     total = 0
     with open(path, "w", encoding="utf-8") as f:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
-from feeder.cursor import Cursor
+from feeder.cursor import Cursor, Mixture
 from feeder.errors import InvalidArgument, NotFound, Unavailable
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.stream import Jobs, RankStream
@@ -70,24 +70,28 @@ class Engine:
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
                        for j in jobs))
 
-    def mixture(self, spec: StreamSpec) -> tuple[MixtureSource, StreamSpec]:
+    def mixture(self, spec: StreamSpec, cursor: Cursor | None) -> tuple[MixtureSource, StreamSpec]:
         """The mixture a stream asks for, and its spec with epoch_samples filled in (ranks of a
-        job compare it: one that leaves it to the feeder agrees with one that names the sum)."""
+        job compare it: one that leaves it to the feeder agrees with one that names the sum).
+        Left open, a resumed stream keeps its cursor's: a remix that adds a source changes the
+        sum, not the epoch the job is in."""
         src = self._mixtures.get(spec.mixture)
         if src is None:
             src = MixtureSource(spec.mixture, self.sources)
             if len(self._mixtures) >= 64:   # a job's mixture lives as long as the job asks for it
                 self._mixtures.pop(next(iter(self._mixtures)))
             self._mixtures[spec.mixture] = src
-        return src, dataclasses.replace(spec, epoch_samples=src.epoch_samples(spec))
+        n = spec.epoch_samples
+        if not n and cursor is not None and type(cursor.src) is Mixture:
+            n = cursor.src.epoch_samples
+        return src, dataclasses.replace(spec, epoch_samples=n or src.epoch_samples(spec))
 
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
                           failover: bool = False) -> RankStream:
-        if spec.mixture:
-            src, spec = self.mixture(spec)
-        else:
-            src = self.source(spec.dataset)
+        src = None if spec.mixture else self.source(spec.dataset)
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
+        if spec.mixture:
+            src, spec = self.mixture(spec, decoded)
         # Off the loop: a source may read to plan (Kafka decides per job what an epoch is).
         plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded)
         stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize)
@@ -119,10 +123,12 @@ class Engine:
             bounds = block.bounds()
             lines = []
             for j in range(len(block)):
+                a, b = bounds[j], bounds[j + 1]
                 rec = {"job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
-                       "step": int(block.steps[j]), "ids": block.ids[bounds[j]:bounds[j + 1]].tolist()}
-                if block.sources is not None:
-                    rec["sources"] = block.sources[bounds[j]:bounds[j + 1]].tolist()
+                       "step": int(block.steps[j]), "ids": block.ids[a:b].tolist()}
+                if block.sources is not None:   # a mixture: audit counts positions, and sources
+                    rec.update(ids=block.positions[a:b].tolist(), sources=block.sources[a:b].tolist(),
+                               sample_ids=block.ids[a:b].tolist())
                 lines.append(json.dumps(rec) + "\n")
             self.ledger.write("".join(lines))
 

@@ -69,7 +69,8 @@ class PlannedRun:
     samples_in_epoch: int
     tokens: np.ndarray | None = None          # [len(ids), seq_len + 1], read by the plan
     cursors: tuple[Cursor, ...] | None = None  # [k], written by the plan
-    sources: np.ndarray | None = None          # int64 [len(ids)]: a mixture's source of each sample
+    sources: np.ndarray | None = None          # int64 [len(ids)]: a mixture's source of each sample,
+    positions: np.ndarray | None = None        # and the epoch position it fills (for the ledger)
 
     def __len__(self) -> int:
         return len(self.stops)
@@ -86,11 +87,12 @@ class PlannedRun:
         """Batches i..j-1, as a run (views of this run's arrays)."""
         a = (int(self.stops[i - 1]) if i else self.start) - self.start   # their samples: [a, b)
         b = int(self.stops[j - 1]) - self.start if j > i else a
-        tok, cur, src = self.tokens, self.cursors, self.sources
+        tok, cur, src, at = self.tokens, self.cursors, self.sources, self.positions
         return PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + a,
                           step=self.step + i, ids=self.ids[a:b], stops=self.stops[i:j],
                           samples_in_epoch=self.samples_in_epoch, tokens=None if tok is None else tok[a:b],
-                          cursors=None if cur is None else cur[i:j], sources=None if src is None else src[a:b])
+                          cursors=None if cur is None else cur[i:j], sources=None if src is None else src[a:b],
+                          positions=None if at is None else at[a:b])
 
 
 class StreamPlan:

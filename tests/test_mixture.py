@@ -293,10 +293,10 @@ def test_remix_at_a_random_step_continues_under_the_new_weights(corpora, mixfeed
     before = [take(ds(mixfeeder, "remix", world, r, old, num_epochs=3), limit=cut) for r in range(world)]
     cursor = before[0][-1][4]
     with pytest.raises(FeederError) as e:   # without remix=True: refused, naming both mixtures
-        take(ds(mixfeeder, "remix", world, 0, new, num_epochs=3, cursor=cursor, retry_for_s=5, epoch_samples=n))
+        take(ds(mixfeeder, "remix", world, 0, new, num_epochs=3, cursor=cursor, retry_for_s=5))
     assert e.value.code == Code.FAILED_PRECONDITION
     assert "mixture differs" in str(e.value) and "web=0.8" in str(e.value) and "news=0.2" in str(e.value)
-    after = [take(ds(mixfeeder, "remix", world, r, new, num_epochs=3, cursor=cursor, remix=True, epoch_samples=n))
+    after = [take(ds(mixfeeder, "remix", world, r, new, num_epochs=3, cursor=cursor, remix=True))
              for r in range(world)]
     for bs in after:
         check_tokens(corpora, names3, bs)
@@ -390,3 +390,25 @@ def test_serve_refuses_an_unnamed_source_among_several(corpora):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs a name" in lines[0], p.stderr
+
+
+def test_the_ledger_and_audit_count_a_mixtures_positions_and_sources(corpora, tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    flags = source_flags(corpora, ("web", "code"))
+    f = FeederProc(None, source=flags[1], extra=[*flags[2:], "--ledger", str(ledger)])
+    try:
+        for r in range(3):
+            take(ds(f, "audited", 3, r, {"web": 0.75, "code": 0.25}))
+    finally:
+        f.stop()
+    p = subprocess.run([sys.executable, "-m", "feeder.cli", "audit", str(ledger)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "every sample delivered exactly once" in p.stdout, p.stdout
+    n = sum(sizes_of(corpora, ("web", "code")))
+    want = Counter(megatron_blend([0.75, 0.25], n)[0])
+    # padding (n not divisible by 3) may add a position or two to either source
+    import re
+    m = re.search(r"web (\d+)/[\d.]+, code (\d+)/", p.stdout)
+    assert m, p.stdout
+    assert 0 <= int(m.group(1)) - want[0] <= 2 and 0 <= int(m.group(2)) - want[1] <= 2

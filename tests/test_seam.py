@@ -50,6 +50,10 @@ def test_every_source_and_plan_implements_its_protocol(dataset):
     assert isinstance(mem, Source) and isinstance(mem.plan(SPEC, None), Plan)
     plan, _ = follow_plan([[[1, 2, 3]] * 4], rank=0, world=1)
     assert isinstance(plan, Plan)
+    from feeder.sources.mixture import MixtureSource
+
+    mix = MixtureSource((("a", 2.0), ("b", 1.0)), {"a": mem, "b": ArraySource(np.arange(300, dtype=np.uint16))})
+    assert isinstance(mix, Source) and isinstance(mix.plan(SPEC, None), Plan)
 
 
 @pytest.mark.kafka
@@ -113,7 +117,7 @@ def test_a_new_source_is_served_exactly_through_the_seam_alone():
 
 
 # Inside feeder, each layer imports only layers below it (ARCHITECTURE.md).
-CORE = {"sampler", "sampling_key", "cursor", "planning", "rows", "config", "errors", "manifest", "v1"}
+CORE = {"sampler", "mixture", "sampling_key", "cursor", "planning", "rows", "config", "errors", "manifest", "v1"}
 LAYERS = [("core", CORE), ("sources", {"sources"}), ("pipeline", {"pipeline"}), ("domain", {"engine", "process_status"}),
           ("service", {"service"})]
 

@@ -95,3 +95,35 @@ def test_resumed_ranks_receive_exactly_the_samples_of_an_uninterrupted_run(datas
     # and the two ranks never shared a sample
     both = [i for r in (0, 1) for x in read_ids(tmp_path / "a", r) for i in x["ids"]]
     assert len(both) == len(set(both))
+
+
+@pytest.mark.timeout(600)
+def test_a_mixture_trains_logs_per_source_loss_and_remixes_on_resume(tmp_path):
+    """train.py --mixture: per-source losses in the log, sources in the ids log; resumed from
+    its checkpoint with another --mixture and --remix, it goes on from the checkpoint's step
+    under the new weights (a source that was not in the old mixture included)."""
+    from collections import Counter
+
+    from tests.helpers import make_docs, prep_docs
+
+    dirs = {}
+    for name, seed in (("web", 21), ("code", 22), ("news", 23)):
+        (tmp_path / name).mkdir()
+        dirs[name] = str(prep_docs(tmp_path / name, make_docs(300, seed=seed)))
+    cfg = ServeConfig(sources=tuple(dirs.items()), listen="127.0.0.1:0")
+    with ServerThread(cfg) as srv:
+        out = train(srv.address, "mixed", tmp_path, "--steps", "6", "--save-every", "3", "--mixture",
+                    "web=0.7,code=0.3", "--ckpt-dir", str(tmp_path / "ck"), "--log-ids", str(tmp_path / "a"))
+        assert "done: 6 steps" in out
+        lines = [line for line in out.splitlines() if line.startswith("step")]
+        assert lines and all(" web " in line and " code " in line for line in lines), out[-2000:]
+        out = train(srv.address, "mixed", tmp_path, "--steps", "9", "--resume", "--remix", "--mixture",
+                    "web=0.2,code=0.3,news=0.5", "--ckpt-dir", str(tmp_path / "ck"), "--log-ids", str(tmp_path / "b"))
+        assert "resumed from" in out and "at step 6" in out, out[-2000:]
+    for rank in (0, 1):
+        a, b = read_ids(tmp_path / "a", rank), read_ids(tmp_path / "b", rank)
+        before = Counter(s for x in a for s in x["sources"])
+        after = Counter(s for x in b for s in x["sources"])
+        assert set(before) <= {0, 1} and before[0] > before[1]   # web 0.7, code 0.3
+        assert [x["step"] for x in b] == [s for s in range(6, 9) for _ in (0, 1)]
+        assert after[2] > after[0]                               # news 0.5 now, web 0.2

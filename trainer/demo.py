@@ -1,8 +1,10 @@
 """`make demo`: the main job on an embedded default, no arguments.
 
-Builds a real text corpus available offline (this Python's standard library sources and
-docs), runs `feeder prep`, starts a feeder, trains the model with DeepSpeed on 2 ranks for a
-few hundred steps, shows the loss falling and the feed's throughput, stops everything.
+Builds two real text corpora available offline (this Python's standard library sources, and
+its documentation text), runs `feeder prep` on each, starts a feeder serving both by name,
+trains the model with DeepSpeed on 2 ranks for a few hundred steps on a 70/30 mixture of
+them, shows the loss falling (per source too) and the feed's throughput, audits the ledger
+(per-source counts against the weights), stops everything.
 """
 from __future__ import annotations
 
@@ -25,17 +27,24 @@ def main() -> int:
     WORK.mkdir(exist_ok=True)
     bin_dir = Path(sys.executable).parent
     feeder = [sys.executable, "-m", "feeder.cli"]
-    corpus = WORK / "stdlib.jsonl"
-    print(f"== 1/4 corpus: Python {sys.version.split()[0]} standard library sources and docs", flush=True)
-    n = build_corpus(corpus)
-    print(f"   {n / 1e6:.1f} MB of text in {corpus}", flush=True)
-    print("== 2/4 feeder prep (byte tokenizer)", flush=True)
-    subprocess.run([*feeder, "prep", str(corpus), "--out", str(WORK / "shards"), "--force",
-                    "--shard-tokens", str(4 << 20)], check=True)
-    print("== 3/4 feeder serve", flush=True)
-    server = subprocess.Popen([*feeder, "serve", "--source", str(WORK / "shards"), "--listen", "127.0.0.1:0",
-                               "--region", "demo"], stdout=subprocess.PIPE, stderr=open(WORK / "feeder.log", "w"),
-                              text=True)
+    print(f"== 1/4 corpora: Python {sys.version.split()[0]} standard library sources (code) and docs (docs)",
+          flush=True)
+    corpora = {"code": (".py",), "docs": (".txt", ".rst")}
+    for name, suffixes in corpora.items():
+        n = build_corpus(WORK / f"{name}.jsonl", limit=(8 << 20) if name == "code" else (4 << 20),
+                         suffixes=suffixes)
+        print(f"   {name}: {n / 1e6:.1f} MB of text in {WORK / (name + '.jsonl')}", flush=True)
+    print("== 2/4 feeder prep (byte tokenizer), one dataset per corpus", flush=True)
+    for name in corpora:
+        subprocess.run([*feeder, "prep", str(WORK / f"{name}.jsonl"), "--out", str(WORK / f"shards-{name}"),
+                        "--force", "--shard-tokens", str(4 << 20)], check=True)
+    print("== 3/4 feeder serve --source code=... --source docs=...", flush=True)
+    ledger = WORK / "ledger.jsonl"
+    ledger.unlink(missing_ok=True)
+    server = subprocess.Popen([*feeder, "serve", *[a for name in corpora for a in
+                                                   ("--source", f"{name}={WORK / ('shards-' + name)}")],
+                               "--listen", "127.0.0.1:0", "--region", "demo", "--ledger", str(ledger)],
+                              stdout=subprocess.PIPE, stderr=open(WORK / "feeder.log", "w"), text=True)
     try:
         line = server.stdout.readline()
         m = re.search(r"listening on (\S+)", line)
@@ -44,11 +53,13 @@ def main() -> int:
             return 1
         address = m.group(1)
         print(f"   {line.strip()}", flush=True)
-        print("== 4/4 DeepSpeed training, 2 ranks (nccl on GPU, gloo on CPU), fed only by the feeder", flush=True)
+        print("== 4/4 DeepSpeed training, 2 ranks (nccl on GPU, gloo on CPU), fed only by the feeder, on the "
+              "mixture code=0.7,docs=0.3 (loss per source: mean (samples) in the window)", flush=True)
         cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                str(Path(__file__).resolve().parent / "train.py"), "--targets", address, "--job", "demo", "--steps",
                os.environ.get("DEMO_STEPS", "300"), "--seq-len", "128", "--micro-batch", "8", "--log-every", "25",
-               "--ckpt-dir", str(WORK / "checkpoints"), "--save-every", "150"]
+               "--ckpt-dir", str(WORK / "checkpoints"), "--save-every", "150",
+               "--mixture", "code=0.7,docs=0.3"]
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=WORK)
         losses = []
@@ -64,6 +75,8 @@ def main() -> int:
             return rc
         print(f"   training took {time.monotonic() - t0:.0f}s", flush=True)
         subprocess.run([*feeder, "status", "--target", address], check=False)
+        print("== feeder audit of the ledger: each position once, and per source against the weights", flush=True)
+        subprocess.run([*feeder, "audit", str(ledger)], check=False)
     finally:
         server.send_signal(signal.SIGTERM)
         try:

@@ -101,14 +101,19 @@ class DecoderLM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, tokens):
-        """tokens: int64 [B, T+1] (inputs + shifted labels) -> mean cross-entropy loss."""
+    def forward(self, tokens, per_sample: bool = False):
+        """tokens: int64 [B, T+1] (inputs + shifted labels) -> mean cross-entropy loss; with
+        per_sample, each sample's mean too ([B], for per-source losses of a mixture)."""
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         x = self.embed(inputs)
         for blk in self.blocks:
             x = blk(x, self.cos, self.sin)
         logits = F.linear(self.norm(x), self.embed.weight)  # tied embeddings
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if not per_sample:
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        each = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        each = each.view(labels.shape).mean(1)
+        return each.mean(), each
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

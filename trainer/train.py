@@ -54,6 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--log-ids", default="", help="append every consumed batch's sample ids to DIR/rank{R}.jsonl")
     p.add_argument("--compression", default="zstd", choices=["zstd", "none"])
+    p.add_argument("--mixture", default="", help="draw from the feeders' named sources by weight: "
+                   "NAME=WEIGHT,... (e.g. web=0.7,code=0.3); logs the loss per source")
+    p.add_argument("--remix", action="store_true", help="with --resume: continue under a --mixture other than "
+                   "the checkpoint's (the epoch's rest re-dealt under the new weights)")
     p.add_argument("--crash-at-step", type=int, default=0, help="fault injection: rank 0 dies at this step")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
@@ -164,12 +168,31 @@ def resume_point(args, engine, world: int, rank: int, say):
     return cursor, reshard, step
 
 
+def parse_mixture(spec: str) -> dict[str, float]:
+    """--mixture NAME=WEIGHT,... as {name: weight}, in order; {} without."""
+    out = {}
+    for part in (p for p in spec.split(",") if p):
+        name, sep, weight = part.partition("=")
+        try:
+            out[name] = float(weight) if sep and name else None
+        except ValueError:
+            out[name] = None
+        if out[name] is None:
+            raise SystemExit(f"--mixture must be NAME=WEIGHT,..., got {spec!r}")
+    return out
+
+
 def make_dataset(args, targets, rank: int, world: int, cursor, reshard: bool, fingerprint: str):
     """This rank's FeederDataset from the flags (shuffled, seeded, from `cursor` when resuming)."""
+    mixture = parse_mixture(args.mixture)
+    # A mixture's sources are bound by their fingerprints in every cursor; the Info fingerprint
+    # every rank agrees on is the default dataset's, which a mixture need not read.
     return FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
+                         mixture=mixture or None, remix=args.remix,
                          micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
                          num_epochs=args.epochs, cursor=cursor, reshard=reshard,
-                         expected_fingerprint=fingerprint, compression=args.compression, prefer=args.prefer,
+                         expected_fingerprint="" if mixture else fingerprint, compression=args.compression,
+                         prefer=args.prefer,
                          tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          token_file=args.token_file)
 
@@ -189,7 +212,7 @@ class Run:
 
 def meter() -> dict:
     """Accumulators of one logging window (or of the whole run)."""
-    return {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0}
+    return {"t": time.monotonic(), "wait": 0.0, "tokens": 0, "loss": 0.0, "n": 0, "src_loss": {}, "src_n": {}}
 
 
 def save_checkpoint(run: Run, step: int) -> None:
@@ -209,7 +232,15 @@ def one_step(run: Run, step: int, window: dict, total: dict) -> bool:
         if batch is None:
             return False
         tokens = batch.tokens.to(run.engine.device, non_blocking=True)
-        loss = run.engine(tokens)
+        if batch.sources is None:
+            loss = run.engine(tokens)
+        else:   # a mixture: each sample's loss, summed per source for the log
+            loss, each = run.engine(tokens, per_sample=True)
+            each = each.detach().float().cpu()
+            for d in batch.sources.unique().tolist():
+                sel = batch.sources == d
+                window["src_loss"][d] = window["src_loss"].get(d, 0.0) + each[sel].sum().item()
+                window["src_n"][d] = window["src_n"].get(d, 0) + int(sel.sum())
         run.engine.backward(loss)
         run.engine.step()
         n_tok = tokens.shape[0] * (tokens.shape[1] - 1)
@@ -219,8 +250,10 @@ def one_step(run: Run, step: int, window: dict, total: dict) -> bool:
         window["loss"] += loss.item()
         window["n"] += 1
         if run.ids_log:
-            run.ids_log.write(json.dumps({"step": step, "micro": micro, "epoch": batch.epoch,
-                                          "ids": batch.sample_ids.tolist()}) + "\n")
+            rec = {"step": step, "micro": micro, "epoch": batch.epoch, "ids": batch.sample_ids.tolist()}
+            if batch.sources is not None:
+                rec["sources"] = batch.sources.tolist()
+            run.ids_log.write(json.dumps(rec) + "\n")
     return True
 
 
@@ -230,8 +263,16 @@ def log_window(run: Run, step: int, window: dict) -> float:
     dist.all_reduce(stats)
     dt = time.monotonic() - window["t"]
     mean_loss = stats[0].item() / max(1, stats[1].item())
+    per_source = ""
+    names = list(parse_mixture(run.args.mixture))
+    if names:   # every rank sums every source's loss and count, so all take part in the reduce
+        src = torch.tensor([[window["src_loss"].get(d, 0.0), window["src_n"].get(d, 0)] for d in range(len(names))],
+                           dtype=torch.float64)
+        dist.all_reduce(src)
+        per_source = "  " + " ".join(f"{n} {src[d, 0].item() / max(1.0, src[d, 1].item()):.4f} "
+                                     f"({int(src[d, 1].item())})" for d, n in enumerate(names))
     run.say(f"step {step:5d}  loss {mean_loss:.4f}  tokens/s {stats[2].item() / dt:,.0f}  "
-            f"data-wait {100 * stats[3].item() / run.world / dt:.2f}%")
+            f"data-wait {100 * stats[3].item() / run.world / dt:.2f}%{per_source}")
     return mean_loss
 
 

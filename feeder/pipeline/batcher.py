@@ -41,7 +41,8 @@ class Block:
     read_s: float = 0.0          # time spent reading the source for the whole block
     rows: Rows | None = None     # uncompressed from a mapped source: where the tokens lie, for the
                                  # reply writer to copy straight into the reply (one copy, not two)
-    sources: np.ndarray | None = None   # int64 [sum(counts)]: a mixture's source of each sample
+    sources: np.ndarray | None = None   # int64 [sum(counts)]: a mixture's source of each sample,
+    positions: np.ndarray | None = None  # and the epoch position it fills (for the ledger)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -80,7 +81,8 @@ def _zstd(level: int) -> pa.Codec:
 
 
 def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
-           samples_in_epoch: int, read_s: float, dtype: np.dtype, sources: np.ndarray | None = None) -> Block:
+           samples_in_epoch: int, read_s: float, dtype: np.dtype, sources: np.ndarray | None = None,
+           positions: np.ndarray | None = None) -> Block:
     tokens, payloads = None, None
     sample_len = rows.n
     raw_bytes = len(rows) * sample_len * dtype.itemsize
@@ -96,7 +98,8 @@ def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str,
                  payloads=payloads, dtype=_NAMES.get(dtype) or _NAMES.setdefault(dtype, dtype.name),
                  compression=compression, sample_len=sample_len, samples_in_epoch=samples_in_epoch,
                  raw_bytes=raw_bytes, read_s=read_s,
-                 payload_bytes=raw_bytes if payloads is None else sum(map(len, payloads)), sources=sources)
+                 payload_bytes=raw_bytes if payloads is None else sum(map(len, payloads)), sources=sources,
+                 positions=positions)
 
 
 def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
@@ -104,9 +107,10 @@ def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compres
     """Consecutive runs of one stream as a Block: their rows located (or the tokens the plan
     read, for runs that carry them: a plan's runs all do or all do not) in one pass."""
     ids = runs[0].ids if len(runs) == 1 else np.concatenate([r.ids for r in runs])
-    sources = None
+    sources = positions = None
     if runs[0].sources is not None:   # a mixture: ids are within each sample's source
         sources = runs[0].sources if len(runs) == 1 else np.concatenate([r.sources for r in runs])
+        positions = runs[0].positions if len(runs) == 1 else np.concatenate([r.positions for r in runs])
     t0 = time.perf_counter()
     if sources is not None:
         rows = plan.locate(ids * seq_len, seq_len + 1, sources)
@@ -132,4 +136,5 @@ def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compres
         steps += range(r.step, r.step + len(stops))
     return _block(rows, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
                   steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
-                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=plan.dtype, sources=sources)
+                  samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=plan.dtype, sources=sources,
+                  positions=positions)

@@ -18,7 +18,7 @@ from feeder import mixture as mx
 from feeder import sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, Mixture
-from feeder.errors import FailedPrecondition, NotFound
+from feeder.errors import FailedPrecondition, NotFound, WrongReplica
 from feeder.planning import PlannedRun, Start, StreamPlan
 from feeder.rows import Rows
 
@@ -70,6 +70,9 @@ class MixtureSource:
         return spec.epoch_samples or sum(self.sizes(spec.seq_len))
 
     def plan(self, spec: StreamSpec, cursor: Cursor | None) -> "MixturePlan":
+        if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
+            raise WrongReplica(f"mixture fingerprint mismatch: the job expects {spec.expected_fingerprint}, this "
+                               f"feeder's sources {self.name!r} make {self.fingerprint}; refusing to serve other data")
         return MixturePlan(self, spec, cursor)
 
     def close(self) -> None:
@@ -142,7 +145,7 @@ class MixturePlan:
             order = sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle)
             src, draws = mx.sources_of(self.mix, run.epoch, run.ids, order)
             ids = mx.sample_ids(self.mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle)
-            yield dataclasses.replace(run, ids=ids, sources=src)
+            yield dataclasses.replace(run, ids=ids, sources=src, positions=run.ids)
 
     def locate(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Rows:
         """Where each row lies in its own source: the sources' Rows, merged."""

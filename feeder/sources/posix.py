@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from feeder import manifest as mf
 from feeder.config import StreamSpec
-from feeder.cursor import Cursor
+from feeder.cursor import Cursor, Mixture
 from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, WrongReplica
 from feeder.planning import StreamPlan
 from feeder.rows import Rows
@@ -77,8 +77,10 @@ class PosixSource:
                 f"dataset fingerprint mismatch: the job expects {spec.expected_fingerprint}, this feeder's "
                 f"replica of {self.name!r} has {self.fingerprint}; refusing to serve other data")
         if cursor is not None and cursor.src is not None:
-            raise FailedPrecondition(f"cursor does not fit this stream: it holds a Kafka position "
-                                     f"({type(cursor.src).__name__}); this feeder serves dataset {self.name!r} from files")
+            what = "a mixture's position" if type(cursor.src) is Mixture else \
+                f"a Kafka position ({type(cursor.src).__name__})"
+            raise FailedPrecondition(f"cursor does not fit this stream: it holds {what}; this stream reads "
+                                     f"dataset {self.name!r} from files")
         return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self)
 
     def close(self) -> None:

@@ -71,6 +71,10 @@ def table(r: dict) -> str:
         ("feeder_rss_mb (64 ranks)", f"{r['feeder_rss_mb']:.0f} MB"),
         ("max_streams", f"{r['max_streams']} of {r['max_streams_tried']}"),
         *[row for key in ("scaling", "scaling_h2", "scaling_discard") for row in _scaling_rows(r[key])],
+        *([("mixture_tokens_s", f"{r['mixture']['mixture_tokens_s'] / 1e6:,.1f} M tok/s, {r['mixture']['sources']} "
+                                f"sources, {r['mixture']['ratio']:.2f}x one source's "
+                                f"{r['mixture']['single_tokens_s'] / 1e6:,.1f} (same feeder, interleaved rounds)")]
+          if "mixture" in r else []),
         ("  with decoding clients", f"{r['scaling_decoding_clients']['1'] / 1e6:,.1f} -> "
                                     f"{r['scaling_decoding_clients']['2'] / 1e6:,.1f} M tok/s"),
     ]

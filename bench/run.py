@@ -39,6 +39,7 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         feeders.remove(f)
         _many_streams(cfg, data, clients, feeders, res)
         _scaling(cfg, data, clients, feeders, res)
+        _mixture(cfg, data, clients, feeders, res)
     finally:
         for f in feeders:
             f.stop()
@@ -197,3 +198,35 @@ def _scaling(cfg: BenchConfig, data: dict, clients: Clients, feeders: list[Feede
                     "tokens_per_feeder_cpu_s_1": t1 / sum(cores1), "tokens_per_feeder_cpu_s_2": t2 / sum(cores2)}
     res["scaling_decoding_clients"] = {"1": s1["tokens_s"], "2": s2["tokens_s"],
                                        "ratio": s2["tokens_s"] / s1["tokens_s"]}
+
+
+MIXTURE = (("web", 0.5), ("code", 0.3), ("news", 0.2))
+
+
+def mixture_figure(cfg: BenchConfig, data: dict, clients: Clients, feeders: list[Feeder]) -> dict:
+    """A mixture of 3 sources against one source, on one feeder, in interleaved rounds (the
+    medians): what blending, the per-source draws and locating rows in three sources cost.
+    The three names serve the bench's one set of shards: the same bytes per sample, so the
+    ratio is the mixture's own cost, not the sources' differences."""
+    N, secs = cfg.ranks, cfg.seconds
+    sh = data["shards"]
+    f = Feeder(f"{MIXTURE[0][0]}={sh}", message_bytes=cfg.message_bytes,
+               extra=[a for name, _ in MIXTURE[1:] for a in ("--source", f"{name}={sh}")])
+    feeders.append(f)
+    one, mixed = [], []
+    for i in range(cfg.rounds):
+        say(f"mixture round {i + 1} of {cfg.rounds}: {N} ranks on one source, then on a mixture of "
+            f"{len(MIXTURE)} (counting clients)")
+        one.append(clients.count([f.address], f"mix-one-{i}", N, seq_len=cfg.seq_len, mb=cfg.micro_batch,
+                                 seconds=secs)["tokens_s"])
+        mixed.append(clients.count([f.address], f"mix-{i}", N, seq_len=cfg.seq_len, mb=cfg.micro_batch,
+                                   seconds=secs, mixture=MIXTURE)["tokens_s"])
+    f.stop()
+    feeders.remove(f)
+    a, b = statistics.median(one), statistics.median(mixed)
+    return {"single_tokens_s": a, "mixture_tokens_s": b, "ratio": b / a, "ranks": N, "sources": len(MIXTURE),
+            "rounds": {"single": one, "mixture": mixed}}
+
+
+def _mixture(cfg: BenchConfig, data: dict, clients: Clients, feeders: list[Feeder], res: dict) -> None:
+    res["mixture"] = mixture_figure(cfg, data, clients, feeders)

@@ -102,16 +102,20 @@ def offsets_at(mix: Mixture, epoch: int) -> np.ndarray:
     return off + first + (epoch - mix.ref_epoch - 1) * full
 
 
-def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, order: np.ndarray
+def consumed(mix: Mixture, order: np.ndarray) -> np.ndarray:
+    """The positions of ref_epoch consumed before a remix, sorted (`order`: that epoch's)."""
+    return np.sort(order[:mix.mix_base])
+
+
+def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
-    """(source index, draw number) of each position of `epoch`. `order` is the epoch's global
-    order (needed only in ref_epoch after a remix, to know which positions were consumed)."""
+    """(source index, draw number) of each position of `epoch`. In ref_epoch after a remix,
+    `done` is `consumed(mix, that epoch's order)`: the blending's slots skip those positions."""
     positions = np.asarray(positions, dtype=np.int64)
     slots = positions
     size = mix.epoch_samples
     if epoch == mix.ref_epoch and mix.mix_base:
-        consumed = np.sort(order[:mix.mix_base])
-        slots = positions - np.searchsorted(consumed, positions)   # rank among the unconsumed
+        slots = positions - np.searchsorted(done, positions)   # rank among the unconsumed
         size -= mix.mix_base
     index, draw, _ = blend(mix.weights, size)
     src = index[slots].astype(np.int64)
@@ -153,5 +157,5 @@ def counts(mix: Mixture, epoch: int) -> dict[str, int]:
     return dict(zip(mix.names, blend(mix.weights, size)[2].tolist()))
 
 
-__all__ = ["normalized", "blend", "source_order", "source_seed", "offsets_at", "sources_of", "sample_ids",
+__all__ = ["normalized", "blend", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",
            "remixed", "counts"]

@@ -140,10 +140,11 @@ class MixturePlan:
         return c, mix, Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
 
     def runs(self, max_batches: int = 64) -> Iterator[PlannedRun]:
-        s = self.spec
+        s, mix, done = self.spec, self.mix, None
         for run in self.inner.runs(max_batches):
-            order = sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle)
-            src, draws = mx.sources_of(self.mix, run.epoch, run.ids, order)
+            if run.epoch == mix.ref_epoch and mix.mix_base and done is None:   # once per stream
+                done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle))
+            src, draws = mx.sources_of(mix, run.epoch, run.ids, done)
             ids = mx.sample_ids(self.mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle)
             yield dataclasses.replace(run, ids=ids, sources=src, positions=run.ids)
 

@@ -262,9 +262,9 @@ static unsigned char *rows_copy(const rows_t *r, Py_ssize_t first, Py_ssize_t co
 static PyObject *frame(PyObject *self, PyObject *args) {
     PyObject *tokens_o, *payloads, *ids_o, *counts_o, *epochs_o, *steps_o, *cursors, *rows_o = Py_None;
     unsigned long long sample_len, itemsize, dtype, comp;
-    Py_buffer region;
-    if (!PyArg_ParseTuple(args, "OOOOOOOKKKKy*|O", &tokens_o, &payloads, &ids_o, &counts_o, &epochs_o, &steps_o,
-                          &cursors, &sample_len, &itemsize, &dtype, &comp, &region, &rows_o))
+    Py_buffer region, tail = {0};   /* tail: fields written after the region as they are (a mixture's sources) */
+    if (!PyArg_ParseTuple(args, "OOOOOOOKKKKy*|Oy*", &tokens_o, &payloads, &ids_o, &counts_o, &epochs_o, &steps_o,
+                          &cursors, &sample_len, &itemsize, &dtype, &comp, &region, &rows_o, &tail))
         return NULL;
     PyObject *result = NULL, *cur_seq = NULL, *pay_seq = NULL;
     Py_buffer tokens = {0}, ids = {0}, counts = {0}, epochs = {0}, steps = {0};
@@ -380,7 +380,7 @@ static PyObject *frame(PyObject *self, PyObject *args) {
     }
     /* Exact where the checksum is known; an upper bound (the largest checksum field) for
      * batches whose tokens are cut in place, trimmed at the end. */
-    size_t total = ldfield_len(region.len);
+    size_t total = ldfield_len(region.len) + (size_t)tail.len;
     for (Py_ssize_t j = 0; j < k; j++) {
         int in_place = direct && !staged[j];
         bs[j].body = batch_body(&bs[j], sample_len, dtype, comp, crcs[j]) + (in_place ? 6 : 0);
@@ -424,6 +424,10 @@ static PyObject *frame(PyObject *self, PyObject *args) {
             put_varint(prefix, (uint64_t)(o - body));
     }
     o = put_ldfield(o, 2, region.buf, (size_t)region.len);   /* StreamReply.region */
+    if (tail.len) {
+        memcpy(o, tail.buf, (size_t)tail.len);
+        o += tail.len;
+    }
     Py_END_ALLOW_THREADS
     size_t used = (size_t)(o - start);
     if (used > total) {
@@ -441,6 +445,7 @@ done:
     PyMem_Free(crcs);
     Py_XDECREF(cur_seq);
     Py_XDECREF(pay_seq);
+    if (tail.obj) PyBuffer_Release(&tail);
     if (tokens.obj) PyBuffer_Release(&tokens);
     if (ids.obj) PyBuffer_Release(&ids);
     if (counts.obj) PyBuffer_Release(&counts);

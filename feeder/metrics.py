@@ -41,6 +41,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank has consumed (reported) or been sent",
                                     RANK),
     "feeder_source_read_seconds": ("histogram", "Time to read one batch's tokens from the source", RANK),
+    "feeder_source_samples_total": ("counter", "Samples sent from each source of the rank's mixture",
+                                    ("job", "rank", "source")),
     "feeder_bad_records_total": ("counter", "Kafka records skipped under bad_records=skip", RANK),
     "feeder_kafka_lag_records": ("gauge", "Records between the rank's reader and the partition's end (follow)",
                                  ("job", "rank", "partition")),
@@ -111,6 +113,8 @@ class EngineCollector:
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
             fam["feeder_source_read_seconds"].add_metric(lab, buckets, st.read_s)
             fam["feeder_bad_records_total"].add_metric(lab, st.bad_records)
+            for name, n in sorted(st.source_samples.items()):
+                fam["feeder_source_samples_total"].add_metric([*lab, name], n)
             for part, lag in sorted(st.kafka_lag.items()):
                 fam["feeder_kafka_lag_records"].add_metric([*lab, str(part)], lag)
         e = self.engine

@@ -127,13 +127,20 @@ def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.
     """The id within its source of each draw: draw k of source d is source_order(...,
     k // n_d)[k % n_d]."""
     out = np.empty(len(draws), dtype=np.int64)
-    for d in np.unique(src).tolist():
+    for d, n in enumerate(sizes):
         at = np.flatnonzero(src == d)
-        k, n = draws[at], sizes[d]
+        if not len(at):
+            continue
+        k = draws[at]
+        lo, hi = int(k.min()) // n, int(k.max()) // n
+        if lo == hi:   # a run's draws of a source nearly always lie in one of its permutations
+            out[at] = source_order(n, seed, mix.names[d], lo, shuffle)[k - lo * n]
+            continue
         cycles, r = np.divmod(k, n)
-        for c in np.unique(cycles).tolist():
+        for c in range(lo, hi + 1):
             sel = cycles == c
-            out[at[sel]] = source_order(n, seed, mix.names[d], int(c), shuffle)[r[sel]]
+            if sel.any():
+                out[at[sel]] = source_order(n, seed, mix.names[d], c, shuffle)[r[sel]]
     return out
 
 

@@ -36,14 +36,14 @@ def render(reply, target: str):
     procs = f"  processes={reply.processes}" if reply.processes > 1 else ""
     t = Table(title=f"feeder {target}  region={reply.region}{procs}  up {reply.uptime_s:.0f}s  "
                     f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB", title_justify="left")
-    left = ("job", "region", "state", "last error")
-    for col in ("job", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",
+    left = ("job", "dataset", "region", "state", "last error")
+    for col in ("job", "dataset", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",
                 "restarts", "failovers", "bad records", "last error"):
         t.add_column(col, justify="left" if col in left else "right")
     for j in reply.jobs:
         for r in j.ranks:
             pct = 100.0 * r.samples_done / r.samples_in_epoch if r.samples_in_epoch else 0.0
-            t.add_row(j.job, f"{r.rank}/{j.world_size}", r.region or reply.region,
+            t.add_row(j.job, j.dataset, f"{r.rank}/{j.world_size}", r.region or reply.region,
                       r.state or ("streaming" if r.connected else "idle"), str(r.epoch),
                       f"{r.samples_done}/{r.samples_in_epoch} ({pct:.0f}%)", f"{r.tokens_per_s:,.0f}",
                       str(r.queue_depth), f"{100 * r.data_wait_fraction:.1f}%", f"{r.bytes_sent / 2**20:.1f} MiB",

@@ -8,6 +8,7 @@ torch.randperm for each source's permutations. Real `feeder serve` processes, re
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import signal
 import subprocess
@@ -395,10 +396,22 @@ def test_serve_refuses_an_unnamed_source_among_several(corpora):
 def test_the_ledger_and_audit_count_a_mixtures_positions_and_sources(corpora, tmp_path):
     ledger = tmp_path / "ledger.jsonl"
     flags = source_flags(corpora, ("web", "code"))
-    f = FeederProc(None, source=flags[1], extra=[*flags[2:], "--ledger", str(ledger)])
+    f = FeederProc(None, source=flags[1], extra=[*flags[2:], "--ledger", str(ledger), "--metrics-port", "0"])
     try:
+        got = Counter()
         for r in range(3):
-            take(ds(f, "audited", 3, r, {"web": 0.75, "code": 0.25}))
+            got.update(d for _, _, pairs, _, _ in take(ds(f, "audited", 3, r, {"web": 0.75, "code": 0.25}))
+                       for d, _ in pairs)
+        # metrics name each source: samples sent from each, per rank
+        from tests.test_ops import scrape, value
+
+        m = scrape(f.metrics)
+        for d, name in enumerate(("web", "code")):
+            assert sum(value(m, "feeder_source_samples_total", job="audited", rank=r, source=name)
+                       for r in range(3)) == got[d]
+        st = subprocess.run([sys.executable, "-m", "feeder.cli", "status", "--target", f.address],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "300"})
+        assert "audited" in st.stdout and "web+code" in st.stdout, st.stdout
     finally:
         f.stop()
     p = subprocess.run([sys.executable, "-m", "feeder.cli", "audit", str(ledger)], capture_output=True, text=True,

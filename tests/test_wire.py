@@ -166,3 +166,20 @@ def test_the_c_writer_refuses_rows_that_do_not_match_the_counts():
             _native.frame(*args, rows)
     with pytest.raises(ValueError, match="payloads None"):   # compressed payloads come with their tokens
         _native.frame(None, [b"x", b"y"], *args[2:], good)
+
+
+@pytest.mark.parametrize("counts", [[8, 8, 3], [1], [15, 16, 17], [20, 5, 2000, 7], [16] * 5])
+def test_a_mixtures_sources_follow_the_batches_in_both_writers(counts):
+    """StreamReply.sources: one entry per batch, written by one numpy pass (and after the C
+    writer's region by the C writer itself); protobuf parses the same lists from both."""
+    import dataclasses
+
+    b = block(counts, seed=len(counts))
+    src = np.random.default_rng(1).integers(0, 300, size=int(np.sum(counts)), dtype=np.int64)
+    b = dataclasses.replace(b, sources=src)
+    bounds = b.bounds()
+    want = [src[bounds[j]:bounds[j + 1]].tolist() for j in range(len(counts))]
+    for data in (wire.encode_reply(b, "r"), wire.encode_reply_py(b, "r") + wire._sources(b)):
+        reply = pb.StreamReply.FromString(data)
+        assert [np.frombuffer(s, "<i8").tolist() for s in reply.sources] == want
+        assert len(reply.batches) == len(counts) and reply.region == "r"

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator
 
+import numpy as np
+
 from feeder.config import ServeConfig, StreamSpec
 from feeder.errors import FailedPrecondition, FeederError, NotFound
 from feeder.cursor import CursorWriter
@@ -62,6 +64,8 @@ class RankState:
     read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
     bad_records: int = 0         # skipped under bad_records=skip
     kafka_lag: dict[int, int] = field(default_factory=dict)   # partition -> records behind the end
+    mixture: tuple[str, ...] = ()    # a mixture's source names, in its order
+    source_samples: dict[str, int] = field(default_factory=dict)   # samples sent from each
     rate_tokens: float = 0.0     # tokens/s, smoothed
     _rate_t: float = field(default_factory=time.monotonic)
     _rate_tokens: int = 0
@@ -78,6 +82,10 @@ class RankState:
         self.raw_bytes_sent += block.raw_bytes
         self.payload_bytes_sent += block.payload_bytes
         self.tokens_sent += toks
+        if block.sources is not None and self.mixture:
+            for d, c in enumerate(np.bincount(block.sources, minlength=len(self.mixture)).tolist()):
+                name = self.mixture[d]
+                self.source_samples[name] = self.source_samples.get(name, 0) + c
         self._rate_tokens += toks
         if now - self._rate_t >= 1.0:
             rate = self._rate_tokens / (now - self._rate_t)
@@ -180,6 +188,7 @@ class Jobs:
         state.connected, state.state = True, "streaming"
         state.streams_opened += 1
         state.micro_batch, state.seq_len = spec.micro_batch, spec.seq_len
+        state.mixture = tuple(n for n, _ in spec.mixture)
         return state
 
     def detach(self, spec: StreamSpec, stream: "RankStream") -> None:

@@ -70,8 +70,27 @@ def _sources(block: Block) -> bytes:
     the batches and the region as written by either writer."""
     if block.sources is None:
         return b""
-    src, bounds = block.sources.astype("<i8", copy=False), block.bounds()
-    return b"".join(b"".join(_ld(3, src[bounds[j]:bounds[j + 1]].tobytes())) for j in range(len(block)))
+    src = np.ascontiguousarray(block.sources, dtype="<i8").view(np.uint8)
+    size = 8 * block.counts.astype(np.int64)          # each entry: key, varint(size), the sources
+    if len(size) == 0 or size.max() >= 1 << 21:      # (never: a batch of 262144 samples)
+        bounds = block.bounds()
+        return b"".join(b"".join(_ld(3, src[8 * bounds[j]:8 * bounds[j + 1]].tobytes())) for j in range(len(block)))
+    # One numpy pass for the whole block instead of a Python call per batch (a message holds
+    # up to 256): the varint of each size is 1 to 3 bytes, each byte a column.
+    nvar = 1 + (size >= 1 << 7) + (size >= 1 << 14)
+    head = 1 + nvar
+    starts = np.concatenate(([0], np.cumsum(head + size)[:-1]))
+    out = np.empty(int((head + size).sum()), dtype=np.uint8)
+    data = np.ones(len(out), dtype=bool)
+    out[starts] = 3 << 3 | 2
+    data[starts] = False
+    for b in range(3):
+        has = nvar > b
+        at = starts[has] + 1 + b
+        out[at] = ((size[has] >> (7 * b)) & 0x7F) | np.where(nvar[has] > b + 1, 0x80, 0)
+        data[at] = False
+    out[data] = src
+    return out.tobytes()
 
 
 def encode_reply(block: Block, region: str) -> bytes:
@@ -81,4 +100,4 @@ def encode_reply(block: Block, region: str) -> bytes:
     return _frame(block.tokens, block.payloads, block.ids, block.counts, block.epochs, block.steps, block.cursors,
                   block.sample_len, np.dtype(block.dtype).itemsize, DTYPE_ENUM[block.dtype],
                   COMPRESSION_ENUM[block.compression], region.encode(),
-                  None if rows is None else (rows.bufs, rows.which, rows.offs)) + _sources(block)
+                  None if rows is None else (rows.bufs, rows.which, rows.offs), _sources(block))

@@ -425,3 +425,58 @@ def test_the_ledger_and_audit_count_a_mixtures_positions_and_sources(corpora, tm
     m = re.search(r"web (\d+)/[\d.]+, code (\d+)/", p.stdout)
     assert m, p.stdout
     assert 0 <= int(m.group(1)) - want[0] <= 2 and 0 <= int(m.group(2)) - want[1] <= 2
+
+
+@pytest.mark.parametrize("workers,persistent", [(2, False), (3, True)])
+def test_dataloader_workers_deliver_the_mixture_in_order_through_a_new_pass(corpora, mixfeeder, workers, persistent):
+    """DataLoader workers over a mixture: the round-robin restores the exact order, and a new
+    pass after load_state_dict goes on from the main process's cursor."""
+    import multiprocessing as mp
+
+    from torch.utils.data import DataLoader
+
+    names, weights = ("web", "code"), (0.6, 0.4)
+    sizes = sizes_of(corpora, names)
+    oracle = Oracle(names, sizes, weights, sum(sizes), seed=5, shuffle=True, drop_last=False)
+    d = ds(mixfeeder, f"workers-{workers}", 2, 1, dict(zip(names, weights)), num_epochs=2)
+    dl = DataLoader(d, batch_size=None, num_workers=workers, persistent_workers=persistent,
+                    multiprocessing_context=mp.get_context("spawn"))
+    got, steps = [], []
+    for k, b in enumerate(dl):
+        got.append(list(zip(b.sources.tolist(), b.sample_ids.tolist())))
+        steps.append((b.epoch, b.step))
+        if k == 24:
+            d.load_state_dict({**d.state_dict(), "cursor": b.cursor})
+            break
+    for b in dl:   # the second pass, from the cursor of the batch above
+        got.append(list(zip(b.sources.tolist(), b.sample_ids.tolist())))
+        steps.append((b.epoch, b.step))
+    flat = {0: [], 1: []}
+    for (e, _), pairs in zip(steps, got):
+        flat[e].extend(pairs)
+    assert flat[0] == oracle.rank(2, 1, 0) and flat[1] == oracle.rank(2, 1, 1)
+
+
+def test_a_replica_whose_source_differs_is_moved_past_on_resume(corpora, tmp_path):
+    """Feeder A serves "code" from other bytes than B: a cursor written on B is refused by A
+    as another replica's (FAILED_PRECONDITION, tried elsewhere), and the rank resumes on B."""
+    names, weights = ("web", "code"), (0.5, 0.5)
+    (tmp_path / "other").mkdir()
+    other = prep_docs(tmp_path / "other", make_docs(50, seed=99))
+    a = FeederProc(None, source=f"web={corpora['web'][0]}", extra=["--source", f"code={other}"])
+    b = FeederProc(None, source=f"web={corpora['web'][0]}", extra=["--source", f"code={corpora['code'][0]}"])
+    try:
+        mix = dict(zip(names, weights))
+        first = take(ds(b, "stale", 1, 0, mix), limit=5)
+        rest = take(FeederDataset([a.address, b.address], job="stale", rank=0, world_size=1, seq_len=SEQ,
+                                  micro_batch=4, seed=5, mixture=mix, cursor=first[-1][4], prefer="order",
+                                  retry_for_s=20))
+        whole = take(ds(b, "stale-whole", 1, 0, mix))
+        assert [p for _, _, p, _, _ in first + rest] == [p for _, _, p, _, _ in whole]
+        check_tokens(corpora, names, rest)
+        with pytest.raises(FeederError) as e:
+            take(ds(a, "stale", 1, 0, mix, cursor=first[-1][4], retry_for_s=3))
+        assert e.value.code == Code.FAILED_PRECONDITION and "'code'" in str(e.value)
+    finally:
+        a.stop()
+        b.stop()

@@ -27,3 +27,33 @@ def build_corpus(path: Path, limit: int = CORPUS_BYTES, suffixes: tuple[str, ...
             if total >= limit:
                 break
     return total
+
+
+def build_docs_corpus(path: Path, limit: int = CORPUS_BYTES) -> int:
+    """The standard library's documentation text: its .txt/.rst files, then the docstrings of
+    its modules (one document per module: its docstring and those of its classes and
+    functions), sorted for determinism. English prose, unlike the sources' code."""
+    import ast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*") if p.suffix in (".txt", ".rst", ".py") and p.is_file()
+                   and "site-packages" not in p.parts and "test" not in p.parts)
+    total = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for p in sorted(files, key=lambda p: (p.suffix == ".py", str(p))):
+            try:
+                text = p.read_text(encoding="utf-8")
+                if p.suffix == ".py":
+                    tree = ast.parse(text)
+                    nodes = [tree, *(n for n in ast.walk(tree)
+                                     if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))]
+                    text = "\n\n".join(d for d in map(ast.get_docstring, nodes) if d)
+            except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
+                continue
+            if not text:
+                continue
+            f.write(json.dumps({"text": text}) + "\n")
+            total += len(text)
+            if total >= limit:
+                break
+    return total

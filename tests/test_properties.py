@@ -391,3 +391,148 @@ def test_elastic_redealing_delivers_each_id_once_up_to_padding(case):
     # deterministic: the same run again, and with new ranks handed other old ranks' cursors
     assert _simulate(case, case["pick"]) == (segments, dealings, inside)
     assert _simulate(case, (1, 0)) == (segments, dealings, inside)
+
+
+# ----------------------------------------------------------------------------- 5. mixtures
+
+class _Tokens:
+    """A source of `size` samples of seq_len 1 (the seam's Source, in memory)."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.fingerprint = name, f"fp-{name}-{size}"
+        self.tokens = np.arange(size + 1, dtype=np.uint16)
+        self.n_tokens, self.n_documents = size + 1, 1
+        self.vocab_size, self.eos_id, self.dtype = 1 << 16, 0, np.dtype(np.uint16)
+
+    def locate(self, starts, n):
+        from feeder.rows import Rows
+
+        return Rows([self.tokens], np.zeros(len(starts), dtype=np.int64), np.asarray(starts, dtype=np.int64), n)
+
+
+@st.composite
+def mixture_cases(draw):
+    k = draw(st.integers(1, 4))
+    names = [f"s{i}" for i in range(k)]
+    sizes = [draw(st.integers(1, 30)) for _ in range(k)]
+    weights = [draw(st.sampled_from([0.0, 1e-3, 0.25, 1.0, 2.5, 7.0, 1e3])) for _ in range(k)]
+    if not any(weights):
+        weights[0] = 1.0
+    drop_last = draw(st.booleans())
+    n = draw(st.integers(1, 120))
+    world = draw(st.integers(1, min(8, n) if drop_last else 8))
+    return dict(names=names, sizes=sizes, weights=weights, n=n, world=world, drop_last=drop_last,
+                shuffle=draw(st.booleans()), seed=draw(st.integers(0, 2**40)), mb=draw(st.integers(1, 5)),
+                epoch=draw(st.integers(0, 3)), epochs=draw(st.integers(1, 3)))
+
+
+def _mixture_plan(case, rank, *, world=None, weights=None, cursor=None, remix=False, names=None):
+    from feeder.sources.mixture import MixtureSource
+
+    names = names or case["names"]
+    sources = {nm: _Tokens(nm, size) for nm, size in zip(case["names"] + ["new"], case["sizes"] + [7])}
+    mix = tuple(zip(names, weights or case["weights"]))
+    spec = StreamSpec(job="mix", rank=rank, world_size=world or case["world"], seq_len=1, micro_batch=case["mb"],
+                      seed=case["seed"], shuffle=case["shuffle"], drop_last=case["drop_last"], epoch=case["epoch"],
+                      num_epochs=case["epochs"], mixture=mix, epoch_samples=case["n"], remix=remix,
+                      reshard=cursor is not None)
+    c = None if cursor is None else Cursor.decode(cursor.encode(SECRET), SECRET)
+    return MixtureSource(mix, sources).plan(spec, c)
+
+
+def _mixture_batches(plan):
+    """[(epoch, step, [(source, id)], cursor)] of a whole plan, cursors written as the pipeline does."""
+    out = []
+    for run in plan.runs(7):
+        at = run.start
+        for j, stop in enumerate(run.stops.tolist()):
+            a, b = at - run.start, stop - run.start
+            cur = dataclasses.replace(plan.cursor_template(), world_size=run.world, epoch=run.epoch, base=run.base,
+                                      pos=stop, step=run.step + j + 1)
+            out.append((run.epoch, run.step + j, list(zip(run.sources[a:b].tolist(), run.ids[a:b].tolist())), cur,
+                        run.positions[a:b].tolist(), run.base))
+            at = stop
+    return out
+
+
+@_examples(120)
+@given(case=mixture_cases())
+def test_a_mixture_is_the_oracles_for_every_rank_and_epoch(case):
+    """Positions by DistributedSampler, sources by Megatron's rule, draws by each source's
+    permutations: the oracle (tests/mixture_oracle.py) written from the README, on random
+    sizes, weights (zeros and extremes), worlds, drop_last, shuffle and start epochs."""
+    from tests.mixture_oracle import Oracle
+
+    oracle = Oracle(case["names"], case["sizes"], case["weights"], case["n"], seed=case["seed"],
+                    shuffle=case["shuffle"], drop_last=case["drop_last"])
+    counts = set()
+    for rank in range(case["world"]):
+        got = _mixture_batches(_mixture_plan(case, rank))
+        counts.add(len(got))
+        for e in range(case["epoch"], case["epoch"] + case["epochs"]):
+            assert [p for ep, _, ps, *_ in got if ep == e for p in ps] == oracle.rank(case["world"], rank, e)
+        # resumed from any of its cursors, the rest is the same
+        if got:
+            cut = case["seed"] % len(got)
+            rest = _mixture_batches(_mixture_plan(case, rank, cursor=got[cut][3]))
+            assert [b[:3] for b in rest] == [b[:3] for b in got[cut + 1:]]
+    assert len(counts) == 1, "ranks would get different numbers of batches"
+
+
+@_examples(120)
+@given(case=mixture_cases(), changes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8), st.booleans(),
+                                                        st.sampled_from([0.1, 1.0, 4.0])), min_size=1, max_size=3))
+def test_remixes_and_reshards_in_any_order_deliver_each_position_once_and_only_real_samples(case, changes):
+    """Lockstep ranks stop after k batches and resume with another world size and/or new weights
+    (remix; sometimes adding a source): every world's ranks get equal batches, each position of
+    an epoch is delivered once up to DistributedSampler's slack per dealing, every sample is one
+    its source has, and the same changes give the same batches."""
+    n, drop_last = case["n"], case["drop_last"]
+
+    def run():
+        world, weights, names = case["world"], case["weights"], case["names"]
+        cursors, delivered, dealings, positions, slack = None, [], [], Counter(), Counter()
+        for k, new_world, add, w in [*changes, (None, None, None, None)]:
+            if drop_last and world > n:
+                world = n
+            plans = [_mixture_plan(case, r, world=world, weights=weights, names=names,
+                                   cursor=None if cursors is None else cursors[r % len(cursors)],
+                                   remix=cursors is not None) for r in range(world)]
+            got = [_mixture_batches(p) for p in plans]
+            assert len({len(g) for g in got}) == 1, "DDP would hang"
+            dealings.append((plans[0].start.epoch, plans[0].start.base, world))
+            take = len(got[0]) if k is None else min(k, len(got[0]))
+            for g in got:
+                delivered += [(e, p) for e, _, ps, *_ in g[:take] for p in ps]
+                positions.update((e, p) for e, _, _, _, pos, _ in g[:take] for p in pos)
+            # DistributedSampler's slack of each dealing this world took part in (the last world's
+            # run to the end, even where its share is empty)
+            st = plans[0].start
+            eps = range(st.epoch, case["epoch"] + case["epochs"]) if k is None else \
+                {b[0] for b in got[0][:take]} | ({st.epoch} if take else set())
+            for e in eps:
+                base = st.base if e == st.epoch else 0
+                slack[e] += abs(world * sampler.per_rank(n - base, world, drop_last) - (n - base))
+            if k is None:
+                break
+            if take:
+                cursors = [g[take - 1][3] for g in got]
+            world = new_world
+            names = case["names"] + (["new"] if add else [])
+            weights = [*case["weights"][:len(case["names"])], w][:len(names)]
+            if not any(weights):
+                weights[0] = 1.0
+        return delivered, dealings, positions, slack
+
+    delivered, dealings, positions, slack = run()
+    for e in range(case["epoch"], case["epoch"] + case["epochs"]):   # every epoch ran to its end
+        got = Counter({p: c for (ep, p), c in positions.items() if ep == e})
+        missing, repeats = n - len(got), sum(c - 1 for c in got.values())
+        assert set(got) <= set(range(n))
+        if drop_last:
+            assert repeats == 0 and missing <= slack[e], (e, missing, slack[e])
+        else:
+            assert missing == 0 and repeats <= slack[e], (e, repeats, slack[e])
+    sizes = dict(zip(case["names"] + ["new"], case["sizes"] + [7]))
+    assert all(0 <= i < list(sizes.values())[d] for _, (d, i) in delivered)
+    assert run() == (delivered, dealings, positions, slack)

@@ -91,8 +91,10 @@ class MixturePlan:
         self.sizes = src.sizes(spec.seq_len)
         n = src.epoch_samples(spec)
         self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
+        # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run
+        # from epoch 0 draws.
         want = Mixture(names=src.names, fingerprints=src.fingerprints, weights=src.weights,
-                       offsets=(0,) * len(src.names), epoch_samples=n, ref_epoch=spec.epoch, mix_base=0)
+                       offsets=(0,) * len(src.names), epoch_samples=n, ref_epoch=0, mix_base=0)
         start = None
         if cursor is not None:
             cursor, self.mix, start = self._resume(cursor, want)

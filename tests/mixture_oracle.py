@@ -1,0 +1,60 @@
+"""An oracle for mixtures, written from the README's rules ("Mixtures"), not from the feeder's
+code: torch's DistributedSampler for the positions, Megatron-LM's blending loop (transcribed
+from megatron/core/datasets/helpers.cpp) for each position's source, torch.randperm for each
+source's permutations. Used by tests/test_mixture.py and tests/test_properties.py."""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import numpy as np
+import torch
+
+from tests.helpers import reference_ids
+
+
+def megatron_blend(weights, size):
+    """Megatron-LM's build_blending_indices, transcribed: (source, draw) of each slot."""
+    w = np.array(weights, dtype=np.float64)
+    w = (w / np.sum(w)).tolist()
+    current = [0] * len(w)
+    index, draw = [], []
+    for i in range(size):
+        x = max(float(i), 1.0)
+        best, err = 0, w[0] * x - current[0]
+        for d in range(1, len(w)):
+            e = w[d] * x - current[d]
+            if e > err:
+                best, err = d, e
+        index.append(best)
+        draw.append(current[best])
+        current[best] += 1
+    return index, draw
+
+
+def source_perm(n, seed, name, cycle, shuffle):
+    if not shuffle:
+        return list(range(n))
+    s = (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(s + cycle)).tolist()
+
+
+class Oracle:
+    """What a rank must get, epoch by epoch, for one mixture that never changes."""
+
+    def __init__(self, names, sizes, weights, n, seed, shuffle, drop_last):
+        self.names, self.sizes, self.n = names, sizes, n
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.index, self.draw = megatron_blend(weights, n)
+        self.per_epoch = Counter(self.index)
+
+    def fill(self, epoch, p):
+        d = self.index[p]
+        k = epoch * self.per_epoch[d] + self.draw[p]
+        cycle, r = divmod(k, self.sizes[d])
+        return d, source_perm(self.sizes[d], self.seed, self.names[d], cycle, self.shuffle)[r]
+
+    def rank(self, world, rank, epoch):
+        pos = reference_ids(self.n, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
+                            epoch=epoch)
+        return [self.fill(epoch, p) for p in pos]

@@ -4,6 +4,7 @@ from megatron/core/datasets/helpers.cpp) for each position's source, torch.randp
 source's permutations. Used by tests/test_mixture.py and tests/test_properties.py."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 
@@ -32,11 +33,12 @@ def megatron_blend(weights, size):
     return index, draw
 
 
+@functools.lru_cache(maxsize=4096)
 def source_perm(n, seed, name, cycle, shuffle):
     if not shuffle:
-        return list(range(n))
+        return tuple(range(n))
     s = (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
-    return torch.randperm(n, generator=torch.Generator().manual_seed(s + cycle)).tolist()
+    return tuple(torch.randperm(n, generator=torch.Generator().manual_seed(s + cycle)).tolist())
 
 
 class Oracle:
@@ -58,3 +60,7 @@ class Oracle:
         pos = reference_ids(self.n, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
                             epoch=epoch)
         return [self.fill(epoch, p) for p in pos]
+
+    def fills(self, epoch):
+        """(source, id) of every position of the epoch, in position order."""
+        return [self.fill(epoch, p) for p in range(self.n)]

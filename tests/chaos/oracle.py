@@ -29,15 +29,42 @@ class Oracle:
         self.errors: list[str] = []
         self.samples = 0
         self._ref: dict = {}
+        # A mixture: what fills each position (tests/mixture_oracle.py, from the README's rules);
+        # a batch's "ids" are then (source, id) pairs, compared and counted as such.
+        self.mix = None
+        if self.sc.mixture:
+            from feeder.sampler import n_samples
+            from tests.mixture_oracle import Oracle as MixtureOracle
+
+            L = self.sc.seq_len
+            self.streams = [c.stream for c in run.sources]
+            self.mix = MixtureOracle([m[0] for m in self.sc.mixture], [n_samples(len(s), L) for s in self.streams],
+                                     [m[1] for m in self.sc.mixture], self.n, seed=self.sc.data_seed,
+                                     shuffle=self.sc.shuffle, drop_last=self.sc.drop_last)
+            self._fills: dict[int, list] = {}
+
+    def fills(self, epoch: int) -> list:
+        """What fills each position of the epoch: the position itself, or a mixture's (source, id)."""
+        if self.mix is None:
+            return list(range(self.n))
+        if epoch not in self._fills:
+            self._fills[epoch] = [tuple(f) for f in self.mix.fills(epoch)]
+        return self._fills[epoch]
+
+    def ids(self, line: dict) -> list:
+        """A rank's batch as the oracle compares it: its ids, or a mixture's (source, id) pairs."""
+        return line["ids"] if self.mix is None else [tuple(x) for x in zip(line.get("src", []), line["ids"])]
 
     def fail(self, msg: str) -> None:
         self.errors.append(msg)
 
-    def epoch_ids(self, world: int, rank: int, epoch: int) -> list[int]:
+    def epoch_ids(self, world: int, rank: int, epoch: int) -> list:
         key = (world, rank, epoch)
         if key not in self._ref:
-            self._ref[key] = reference_ids(self.n, world, rank, shuffle=self.sc.shuffle, seed=self.sc.data_seed,
-                                           drop_last=self.sc.drop_last, epoch=epoch)
+            pos = reference_ids(self.n, world, rank, shuffle=self.sc.shuffle, seed=self.sc.data_seed,
+                                drop_last=self.sc.drop_last, epoch=epoch)
+            fill = self.fills(epoch)
+            self._ref[key] = [fill[p] for p in pos]
         return self._ref[key]
 
     def expected(self, world: int, rank: int, count: int) -> list[tuple[int, int, list[int]]]:
@@ -54,8 +81,13 @@ class Oracle:
 
     def check_tokens(self, where: str, line: dict) -> None:
         L = self.sc.seq_len
-        rows = np.stack([self.stream[i * L:i * L + L + 1] for i in line["ids"]]) if line["ids"] else \
+        streams = [self.stream] * len(line["ids"]) if self.mix is None else \
+            [self.streams[d] if 0 <= d < len(self.streams) else self.stream[:0] for d in line.get("src", [])]
+        rows = np.stack([s[i * L:i * L + L + 1] for s, i in zip(streams, line["ids"])]) if line["ids"] else \
             np.zeros((0, L + 1), np.int64)
+        if len(rows) and rows.shape[1] != L + 1:
+            self.fail(f"{where}: a sample of batch epoch {line['e']} step {line['s']} is not in its source")
+            return
         if token_hash(rows.astype(np.int64).tobytes()) != line["h"]:
             self.fail(f"{where}: tokens of batch epoch {line['e']} step {line['s']} differ from the packed stream")
         self.samples += len(line["ids"])
@@ -135,8 +167,8 @@ class Oracle:
                         self.fail(f"{where}: a batch past the end (epoch {ln['e']} step {ln['s']})")
                         break
                     e, s, ids = exp[p - 1]
-                    if (ln["e"], ln["s"], ln["ids"]) != (e, s, ids):
-                        self.fail(f"{where}: got epoch {ln['e']} step {ln['s']} ids {ln['ids'][:8]}, expected "
+                    if (ln["e"], ln["s"], self.ids(ln)) != (e, s, ids):
+                        self.fail(f"{where}: got epoch {ln['e']} step {ln['s']} ids {self.ids(ln)[:8]}, expected "
                                   f"epoch {e} step {s} ids {ids[:8]} (DistributedSampler, world {world})")
                         break
                     self.check_tokens(where, ln)
@@ -165,7 +197,7 @@ class Oracle:
                 for ln in inc.lines:
                     self.check_tokens(f"rank {slot} (world {new}) {inc.out.name} position {ln['p']}", ln)
                     k = by_pos.get(ln["p"])
-                    if k is not None and (k["e"], k["s"], k["ids"]) != (ln["e"], ln["s"], ln["ids"]):
+                    if k is not None and (k["e"], k["s"], self.ids(k)) != (ln["e"], ln["s"], self.ids(ln)):
                         self.fail(f"rank {slot} (world {new}) position {ln['p']}: two processes got different "
                                   f"batches ({k['e']},{k['s']}) vs ({ln['e']},{ln['s']}) from one cursor")
         old_last = old[0][-1] if old.get(0) else None
@@ -173,17 +205,20 @@ class Oracle:
             return
         ec = old_last["e"]
         # the epoch of the change: old ranks' ids in it + the re-dealt rest
-        consumed = [i for seq in old.values() for ln in seq if ln["e"] == ec for i in ln["ids"]]
+        consumed = [i for seq in old.values() for ln in seq if ln["e"] == ec for i in self.ids(ln)]
         redealt = {slot: [ln for ln in seq if ln["e"] == ec] for slot, seq in kept.items()}
         counts = {slot: len(v) for slot, v in redealt.items()}
         if len(set(counts.values())) > 1:
             self.fail(f"after the change to world {new}, ranks got different numbers of batches of epoch {ec}: "
                       f"{counts}")
-        everything = consumed + [i for v in redealt.values() for ln in v for i in ln["ids"]]
-        rem = self.n - len(set(consumed))
+        everything = consumed + [i for v in redealt.values() for ln in v for i in self.ids(ln)]
+        # Counted against what fills the epoch (a multiset: a mixture may draw one sample at two
+        # positions); for one dataset that is each id once.
+        ref = Counter(self.fills(ec))
+        rem = self.n - sum((Counter(consumed) & ref).values())
         c = Counter(everything)
-        dups = sum(k - 1 for k in c.values() if k > 1)
-        missing = set(range(self.n)) - c.keys()
+        dups = sum((c - ref).values())
+        missing = sorted((ref - c).elements())
         complete = unbounded is False or all(
             any(ln["e"] > ec for ln in seq) for seq in kept.values())
         W = sc.world
@@ -214,7 +249,7 @@ class Oracle:
                 epoch += 1
                 if sc.num_epochs and epoch >= sc.start_epoch + sc.num_epochs:
                     break
-            got = [(ln["e"], ln["s"], ln["ids"]) for ln in later]
+            got = [(ln["e"], ln["s"], self.ids(ln)) for ln in later]
             if not unbounded and len(got) != len(exp):
                 self.fail(f"rank {slot} (world {new}) got {len(got)} batches after epoch {ec}, expected {len(exp)}")
             for g, e in zip(got, exp):

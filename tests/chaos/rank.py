@@ -57,7 +57,7 @@ def rank_main(cfg: dict, conn) -> None:
                            compression=cfg["compression"],
                            read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
                            retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
-                           report_every_s=1.0, pin_memory=False)
+                           report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None)
         workers = cfg["workers"]
         if workers and cfg["context"] == "forkserver":
             # The workers' forkserver imports torch and the client once; each worker is then a
@@ -77,8 +77,11 @@ def rank_main(cfg: dict, conn) -> None:
             for b in loader:
                 pos += 1
                 last_cursor = b.cursor.hex()
-                out.write(json.dumps({"p": pos, "e": b.epoch, "s": b.step, "ids": b.sample_ids.tolist(),
-                                      "h": token_hash(b.tokens.numpy().tobytes()), "c": last_cursor}) + "\n")
+                line = {"p": pos, "e": b.epoch, "s": b.step, "ids": b.sample_ids.tolist(),
+                        "h": token_hash(b.tokens.numpy().tobytes()), "c": last_cursor}
+                if b.sources is not None:
+                    line["src"] = b.sources.tolist()
+                out.write(json.dumps(line) + "\n")
                 if pos % cfg["ckpt_every"] == 0:
                     out.write(json.dumps({"ckpt": pos, "c": last_cursor}) + "\n")
                 if pos in pauses:

@@ -325,6 +325,10 @@ class ScenarioRun:
         from feeder.sampler import n_samples
 
         self.n = n_samples(len(self.corpus.stream), sc.seq_len)
+        # A mixture: a corpus per source, and an epoch of all their samples (the default epoch_samples)
+        self.sources = [corpus(cache, d) for _, _, d in sc.mixture]
+        if sc.mixture:
+            self.n = sum(n_samples(len(c.stream), sc.seq_len) for c in self.sources)
         self.errors: list[str] = []
         self.injected: Counter = Counter()
         self.timers: list = []
@@ -403,7 +407,8 @@ class ScenarioRun:
                    drop_last=sc.drop_last, epoch=sc.start_epoch, num_epochs=sc.num_epochs, cursor=cursor,
                    reshard=reshard, read_ahead=sc.read_ahead, compression=sc.compression, retry_for_s=RANK_RETRY_FOR_S,
                    failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
-                   pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every)
+                   pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
+                   mixture=[(name, w) for name, w, _ in sc.mixture])
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()
@@ -636,14 +641,19 @@ class ScenarioRun:
         args = ["--message-bytes", str(sc.message_bytes), "--prefetch-messages", str(sc.prefetch_messages),
                 "--threads", "2"]
         for t in range(sc.targets):
-            src = self.corpus.dataset
-            if t == corrupt_t:
+            src = self.corpus.dataset if not sc.mixture else self.sources[0].dataset
+            if t == corrupt_t:   # (a mixture's first source)
                 where = corrupt_copy(src, self.dir / f"corrupt-{t}", self.rng)
                 (self.dir / "corrupt.txt").write_text(where + "\n")
                 src = self.dir / f"corrupt-{t}"
                 self.injected["corrupt"] += 1
-            self.feeders.append(Feeder(src, args, self.dir / f"ledger-{t}.jsonl", self.dir / f"feeder-{t}.log",
-                                       sc.processes))
+            more = []
+            if sc.mixture:   # every source by name, the first (maybe corrupt) one given as `src`
+                src = f"{sc.mixture[0][0]}={src}"
+                more = [a for (name, _, _), c in zip(sc.mixture[1:], self.sources[1:])
+                        for a in ("--source", f"{name}={c.dataset}")]
+            self.feeders.append(Feeder(src, [*more, *args], self.dir / f"ledger-{t}.jsonl",
+                                       self.dir / f"feeder-{t}.log", sc.processes))
         for fd in self.feeders:   # launched together, waited for together: their starts overlap
             fd.wait_ready()
         if sc.link_kbps or any(f.kind in ("reset", "blackhole") for f in sc.faults):

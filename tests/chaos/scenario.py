@@ -13,6 +13,8 @@ FAULT_KINDS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "corrupt",
 # Faults that act on a feeder (or on the link to it) and are healed again: a killed feeder is
 # restarted on its port, a stopped one continued, a proxy's toxic cleared.
 FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
+# The share of scenarios that stream a mixture of several sources (issue 18) instead of one.
+MIXTURE_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class Scenario:
     step_ms: int             # the rank's "training step" per batch
     ckpt_every: int
     faults: tuple[Fault, ...] = field(default_factory=tuple)
+    # A mixture of sources ((name, weight, n_docs), ...): the feeders serve each corpus by name
+    # and the ranks ask for the mixture; () = the one corpus of n_docs.
+    mixture: tuple[tuple[str, float, int], ...] = ()
 
     @property
     def job(self) -> str:
@@ -74,7 +79,8 @@ class Scenario:
                 f"comp={self.compression or 'default'} link={self.link_kbps or '-'} msg={self.message_bytes} prefetch={self.prefetch_messages} ra={self.read_ahead} "
                 f"targets={self.targets}x{self.processes}p{' spread' if self.spread else ''} "
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
-                f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]")
+                f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
+                + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -156,8 +162,15 @@ class Scenario:
                       detail={"reshard": str(rng.choice([w for w in (1, 2, 3, 4, 5) if w != world])),
                               "disagree": rng.choice(("micro_batch", "epoch", "num_epochs"))}.get(kind, ""))
             faults.append(f)
+        # Drawn last, so every earlier draw (and so every scenario without one) stays as it was.
+        mixture = ()
+        if not large and rng.random() < MIXTURE_SHARE:
+            k = rng.choice((2, 2, 3))
+            mixture = tuple((f"s{i}", rng.choice((0.1, 0.3, 1.0, 2.0, 5.0)), rng.choice((20, 60, n_docs)))
+                            for i in range(k))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
-        return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))))
+        return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
+                        mixture=mixture)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

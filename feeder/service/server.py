@@ -46,7 +46,8 @@ def load_sources(cfg: ServeConfig) -> dict[str, Source]:
     else:
         from feeder.sources.posix import open_source
 
-        src = open_source(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id)
+        src = open_source(cfg.source, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id, column=cfg.column,
+                          dtype=cfg.token_dtype, index=cfg.index)
     return {src.name: src}
 
 

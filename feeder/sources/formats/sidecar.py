@@ -143,4 +143,4 @@ def index(source: str, opts: Options, *, out: str = "", workers: int = 0, progre
     os.replace(tmp, path)
     partial.unlink()
     return {"path": str(path), "fingerprint": m.fingerprint, "n_tokens": m.n_tokens,
-            "chunks": sum(len(s) for s in shas), "bytes": sum(s.bytes for s in reader.shards)}
+            "chunks": sum(len(s) for s in shas), "hashed": len(todo), "bytes": sum(s.bytes for s in reader.shards)}

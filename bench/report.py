@@ -45,6 +45,9 @@ def table(r: dict) -> str:
     def of_rounds(key: str, scale: float = 1.0) -> str:
         return f"median of {', '.join(f'{x / scale:,.0f}' for x in r['rounds'][key])}"
 
+    if r["config"].get("only") == "formats":
+        return "\n".join(f"{k:<30} {v}" for k, v in _format_rows(r))
+
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
         ("raw_grpc_mb_s", f"{r['raw_grpc_mb_s']:,.0f} MB/s ({of_rounds('raw_grpc_mb_s')})"),
@@ -77,12 +80,26 @@ def table(r: dict) -> str:
     if "kafka_ratio" in r:
         rows.append(("kafka source / bare consume", f"{r['kafka_source_tokens_s'] / 1e6:,.1f} / "
                                                     f"{r['kafka_bare_consume_tokens_s'] / 1e6:,.1f} M tok/s"))
+    rows += _format_rows(r)
     lines = [f"{k:<30} {v}" for k, v in rows]
     lines.append("")
     lines.append(f"{'target':<30} {'value':>10} {'goal':>8}  met")
     for k, v in r["ratios"].items():
         lines.append(f"{k:<30} {v['value']:>10.3f} {v['target']:>8}  {'yes' if v['met'] else 'NO'}")
     return "\n".join(lines)
+
+
+def _format_rows(r: dict) -> list[tuple[str, str]]:
+    """Tokens/s from each other tool's format, and its ratio to our shards in the same rounds."""
+    if "formats" not in r:
+        return []
+    rows = [("our shards (formats rounds)", f"{r['formats_shards_tokens_s'] / 1e6:,.1f} M tok/s (median of "
+                                            f"{', '.join(f'{x / 1e6:,.1f}' for x in r['formats_shards_rounds'])})")]
+    for name, f in r["formats"].items():
+        rows.append((f"  {name}", f"{f['tokens_s'] / 1e6:,.1f} M tok/s = {f['ratio_to_shards']:.2f} x our shards "
+                                  f"(median of {', '.join(f'{x / 1e6:,.1f}' for x in f['rounds'])})"))
+    rows += [(f"  {name}", f"left out: {why}") for name, why in r["formats_skipped"].items()]
+    return rows
 
 
 def _scaling_rows(sc: dict) -> list[tuple[str, str]]:

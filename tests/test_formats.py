@@ -261,7 +261,6 @@ def test_token_id_beyond_the_vocabulary_is_data_loss_naming_file_and_offset(tmp_
     flat[bad_at] = 300
     path = tmp_path / "train.bin"
     flat.tofile(path)
-    stream = flat.astype(np.int64)
     with ServerThread(ServeConfig(source=str(path), listen="127.0.0.1:0", vocab_size=257, eos_id=256)) as srv:
         ds = FeederDataset([srv.address], job="vocab", rank=0, world_size=1, seq_len=SEQ, micro_batch=4,
                            shuffle=False, retry_for_s=2)

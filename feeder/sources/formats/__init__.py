@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from feeder import manifest as mf
-from feeder.errors import DataLoss, InvalidArgument
+from feeder.errors import InvalidArgument
+from feeder.sources.posix import PosixSource   # (posix.py imports this package only inside open_source)
 
 log = logging.getLogger("feeder.source")
 
@@ -158,45 +159,39 @@ LOOKED_FOR = ("manifest.json (feeder prep), NAME.idx + NAME.bin (Megatron), stat
               "*.parquet (Spark tokens); a nanoGPT .bin is served by its file's path")
 
 
-def make_source(reader: Reader, *, name: str, side: Path | None) -> "object":
-    """A PosixSource over the reader's chunks (made here: posix.py imports this package)."""
-    from feeder.sources.formats import sidecar
-    from feeder.sources.posix import PosixSource
+class FormatSource(PosixSource):
+    """A PosixSource whose chunks the format's reader loads, checked against the vocabulary
+    (and the sidecar's sha256, when there is one) on their first read."""
 
-    class _FormatSource(PosixSource):
-        """A PosixSource whose chunks the format's reader loads, checked against the
-        vocabulary (and the sidecar's sha256, when there is one) on first read."""
+    def __init__(self, reader: Reader, *, name: str, side: Path | None):
+        from feeder.sources.formats import sidecar
 
-        def __init__(self):
-            shas = sidecar.load(side, reader) if side else None
-            m = to_manifest(reader, shas)
-            if shas is None:
-                log.warning("dataset %s (%s at %s) is UNVERIFIED: no `feeder index` sidecar; its fingerprint %s "
-                            "is made from file sizes and headers, and chunks are not checksummed",
-                            name, reader.format, reader.root, m.fingerprint[:16])
-            else:
-                log.info("dataset %s (%s): chunks verified on first read against %s", name, reader.format, side)
-            self.reader, self.verified = reader, shas is not None
-            super().__init__(reader.root, name=name, manifest=m)
+        shas = sidecar.load(side, reader) if side else None
+        m = to_manifest(reader, shas)
+        if shas is None:
+            log.warning("dataset %s (%s at %s) is UNVERIFIED: no `feeder index` sidecar; its fingerprint %s "
+                        "is made from file sizes and headers, and chunks are not checksummed",
+                        name, reader.format, reader.root, m.fingerprint[:16])
+        else:
+            log.info("dataset %s (%s): chunks verified on first read against %s", name, reader.format, side)
+        self.reader, self.verified = reader, shas is not None
+        super().__init__(reader.root, name=name, manifest=m)
 
-        def _load(self, si, ci):
-            return reader.load(si, ci)
+    def _load(self, si: int, ci: int) -> tuple[np.ndarray, bool]:
+        return self.reader.load(si, ci)
 
-        def _check(self, si, ci, arr):
-            shard = self.manifest.shards[si]
-            want = shard.chunks[ci]
-            if len(arr) != want.n_tokens:
-                return f"{shard.path}: chunk {ci} holds {len(arr)} tokens, the index of the files says {want.n_tokens}"
-            bad = first_out_of_vocab(arr, reader.vocab_size)
-            if bad is not None:
-                return (f"{reader.where(si, ci, bad)}: token id {int(arr[bad])} is not below the vocabulary size "
-                        f"{reader.vocab_size}")
-            if want.sha256 and hashlib.sha256(arr).hexdigest() != want.sha256:
-                return (f"{shard.path} is corrupt: chunk {ci} failed its sha256 check against the sidecar "
-                        f"(`feeder index`)")
-            return ""
-
-    return _FormatSource()
+    def _check(self, si: int, ci: int, arr: np.ndarray) -> str:
+        shard, reader = self.manifest.shards[si], self.reader
+        want = shard.chunks[ci]
+        if len(arr) != want.n_tokens:
+            return f"{shard.path}: chunk {ci} holds {len(arr)} tokens, the index of the files says {want.n_tokens}"
+        bad = first_out_of_vocab(arr, reader.vocab_size)
+        if bad is not None:
+            return (f"{reader.where(si, ci, bad)}: token id {int(arr[bad])} is not below the vocabulary size "
+                    f"{reader.vocab_size}")
+        if want.sha256 and hashlib.sha256(arr).hexdigest() != want.sha256:
+            return f"{shard.path} is corrupt: chunk {ci} failed its sha256 check against the sidecar (`feeder index`)"
+        return ""
 
 
 def first_out_of_vocab(arr: np.ndarray, vocab_size: int) -> int | None:
@@ -215,11 +210,11 @@ def open_any(path: str, opts: Options, *, name: str = ""):
     reader = open_format(path, opts)
     if reader is None:
         return None
-    return make_source(reader, name=name or Path(path).name, side=side)
+    return FormatSource(reader, name=name or Path(path).name, side=side)
 
 
 def chunking(opts: Options) -> int:
     return opts.chunk_tokens or DEFAULT_CHUNK_TOKENS
 
 
-__all__ = ["Options", "Reader", "ShardInfo", "open_format", "open_any", "LOOKED_FOR", "make_source"]
+__all__ = ["Options", "Reader", "ShardInfo", "open_format", "open_any", "LOOKED_FOR", "FormatSource"]

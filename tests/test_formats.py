@@ -51,6 +51,8 @@ def corpora(tmp_path_factory, docs):
     out["megatron"] = (t / "megatron", docs, VOCAB)
     (t / "prefix").mkdir()
     out["megatron-prefix"] = (W.megatron(t / "prefix" / "c_text_document", ids, 256), docs, VOCAB)
+    (t / "wide").mkdir()   # int32 ids: what Megatron writes for a vocabulary of 65500 or more
+    out["megatron-int32"] = (W.megatron(t / "wide" / "c_text_document", ids, 256, dtype=np.int32), docs, VOCAB)
     out["hf"] = (W.hf(t / "hf", ids), docs, VOCAB)
     out["mds"] = (W.mds(t / "mds", ids_of(full)), full, VOCAB)
     out["mds-bytes"] = (W.mds(t / "mds-bytes", ids_of(full), encoding="bytes", column="tokens"), full,
@@ -89,7 +91,7 @@ def flags_kw(flags):
             "dtype": kw.get("dtype", "")}
 
 
-FORMATS = ["megatron", "megatron-prefix", "hf", "mds", "mds-bytes", "nanogpt", "llmc"]
+FORMATS = ["megatron", "megatron-prefix", "megatron-int32", "hf", "mds", "mds-bytes", "nanogpt", "llmc"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -252,6 +254,11 @@ def test_unknown_column_unrecognized_directory_and_missing_vocabulary_refused_at
     (tmp_path / "junk" / "notes.txt").write_text("hello")
     refused(serve_refused(tmp_path / "junk"), "no dataset format recognized", "Megatron", "MDS", "llm.c")
     refused(serve_refused(corpora["megatron"][0]), "does not record its vocabulary", "--vocab-size")
+    import datasets
+
+    one = datasets.load_from_disk(str(corpora["hf"][0]))
+    datasets.DatasetDict({"train": one, "test": one}).save_to_disk(str(tmp_path / "dict"))
+    refused(serve_refused(tmp_path / "dict", *VOCAB), "DatasetDict of splits train, test", f"{tmp_path / 'dict' / 'train'}")
 
 
 def test_token_id_beyond_the_vocabulary_is_data_loss_naming_file_and_offset(tmp_path, docs):

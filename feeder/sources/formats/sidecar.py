@@ -121,9 +121,10 @@ def index(source: str, opts: Options, *, out: str = "", workers: int = 0, progre
                            f"size {reader.vocab_size}")
         return k, hashlib.sha256(arr).hexdigest(), len(arr)
 
-    with open(partial, "w" if not done else "a") as log:
-        if not done:
-            log.write(key + "\n")
+    with open(partial, "w") as log:   # rewritten whole: a line cut by the interruption goes
+        log.write(key + "\n")
+        for (si, ci), sha in done.items():
+            log.write(json.dumps([si, ci, sha]) + "\n")
         with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
             for (si, ci), sha, n in pool.map(one, todo):
                 done[(si, ci)] = sha

@@ -33,7 +33,9 @@ def ratios(r: dict) -> dict:
     }
     if "kafka_ratio" in r:
         out["kafka_source_vs_bare_consume"] = (r["kafka_ratio"], 0.5)
-    at_least = {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
+    for name, f in r.get("formats", {}).items():   # issue 19: within 15 % of our shards, same run
+        out[f"format_{name}_vs_shards"] = (f["ratio_to_shards"], 0.85)
+    at_least = {f"format_{name}_vs_shards" for name in r.get("formats", {})} | {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
                 "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "scaling_2_vs_1_discard",
                 "kafka_source_vs_bare_consume"}
     return {k: {"value": v, "target": t, "met": (v >= t) if k in at_least else (v <= t)}

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from feeder import manifest as mf
-from feeder.errors import InvalidArgument
+from feeder.errors import DataLoss, InvalidArgument
 from feeder.sources.posix import PosixSource   # (posix.py imports this package only inside open_source)
 
 log = logging.getLogger("feeder.source")
@@ -178,7 +178,12 @@ class FormatSource(PosixSource):
         super().__init__(reader.root, name=name, manifest=m)
 
     def _load(self, si: int, ci: int) -> tuple[np.ndarray, bool]:
-        return self.reader.load(si, ci)
+        try:
+            return self.reader.load(si, ci)
+        except DataLoss as e:   # found while decoding (an id out of range before the cast): as _check's
+            self._bad[si] = str(e)
+            log.error("dataset %s: %s", self.name, e)
+            raise
 
     def _check(self, si: int, ci: int, arr: np.ndarray) -> str:
         shard, reader = self.manifest.shards[si], self.reader

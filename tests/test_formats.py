@@ -342,6 +342,27 @@ def test_index_is_resumable_and_the_same_bytes_have_the_same_fingerprint(corpora
     resumed = index(str(source), opts, out=str(out), progress=False)
     assert resumed["hashed"] == whole_run["chunks"] - 4
     assert json.loads(Path(resumed["path"]).read_text()) == sidecar
+    # Interrupted for real (a chunk read raises, as Ctrl-C would) after 7 chunks: the run goes on from there.
+    from feeder.sources.formats.flat import TokenFiles
+
+    calls, real_load = [], TokenFiles.load
+
+    def failing_load(self, si, ci):
+        calls.append(ci)
+        if len(calls) > 7:
+            raise KeyboardInterrupt
+        return real_load(self, si, ci)
+
+    TokenFiles.load = failing_load
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            index(str(source), opts, out=str(tmp_path / "d"), workers=1, progress=False)
+    finally:
+        TokenFiles.load = real_load
+    assert not (tmp_path / "d" / f"{Path(source).name}.feeder-index.json").exists()
+    again = index(str(source), opts, out=str(tmp_path / "d"), workers=1, progress=False)
+    assert again["hashed"] == whole_run["chunks"] - 7
+    assert json.loads(Path(again["path"]).read_text()) == sidecar
     # A copy elsewhere: the same fingerprint, indexed or not; served with --index from a read-only place.
     copy = tmp_path / "elsewhere" / "train.bin"
     copy.parent.mkdir()

@@ -26,6 +26,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
     s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
+    s.add_argument("--only", choices=["formats", "mixture"], default="",
+                   help="formats: only tokens/s from each other tool's format against our shards; mixture: "
+                        "only a mixture of 3 sources against one source")
 
 
 HELP = "measure the feeder against a raw socket, bare gRPC and a local DataLoader"
@@ -53,7 +56,7 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(data=args.data, ranks=args.ranks, seq_len=args.seq_len, micro_batch=args.micro_batch,
                       seconds=args.seconds, message_bytes=args.message_bytes, kafka=args.kafka, quick=args.quick,
-                      rounds=args.rounds, corpus_bytes=(2 << 20) if args.quick else (12 << 20))
+                      rounds=args.rounds, only=args.only, corpus_bytes=(2 << 20) if args.quick else (12 << 20))
     r = run(cfg, json_path=args.json, plot_path=args.plot)
     print(table(r))
     if args.json:

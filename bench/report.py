@@ -33,7 +33,9 @@ def ratios(r: dict) -> dict:
     }
     if "kafka_ratio" in r:
         out["kafka_source_vs_bare_consume"] = (r["kafka_ratio"], 0.5)
-    at_least = {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
+    for name, f in r.get("formats", {}).items():   # issue 19: within 15 % of our shards, same run
+        out[f"format_{name}_vs_shards"] = (f["ratio_to_shards"], 0.85)
+    at_least = {f"format_{name}_vs_shards" for name in r.get("formats", {})} | {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
                 "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "scaling_2_vs_1_discard",
                 "kafka_source_vs_bare_consume"}
     return {k: {"value": v, "target": t, "met": (v >= t) if k in at_least else (v <= t)}
@@ -44,6 +46,9 @@ def table(r: dict) -> str:
     """The figures and the targets as the text table `feeder bench` prints."""
     def of_rounds(key: str, scale: float = 1.0) -> str:
         return f"median of {', '.join(f'{x / scale:,.0f}' for x in r['rounds'][key])}"
+
+    if r["config"].get("only") == "formats":
+        return "\n".join(f"{k:<30} {v}" for k, v in _format_rows(r))
 
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
@@ -81,12 +86,26 @@ def table(r: dict) -> str:
     if "kafka_ratio" in r:
         rows.append(("kafka source / bare consume", f"{r['kafka_source_tokens_s'] / 1e6:,.1f} / "
                                                     f"{r['kafka_bare_consume_tokens_s'] / 1e6:,.1f} M tok/s"))
+    rows += _format_rows(r)
     lines = [f"{k:<30} {v}" for k, v in rows]
     lines.append("")
     lines.append(f"{'target':<30} {'value':>10} {'goal':>8}  met")
     for k, v in r["ratios"].items():
         lines.append(f"{k:<30} {v['value']:>10.3f} {v['target']:>8}  {'yes' if v['met'] else 'NO'}")
     return "\n".join(lines)
+
+
+def _format_rows(r: dict) -> list[tuple[str, str]]:
+    """Tokens/s from each other tool's format, and its ratio to our shards in the same rounds."""
+    if "formats" not in r:
+        return []
+    rows = [("our shards (formats rounds)", f"{r['formats_shards_tokens_s'] / 1e6:,.1f} M tok/s (median of "
+                                            f"{', '.join(f'{x / 1e6:,.1f}' for x in r['formats_shards_rounds'])})")]
+    for name, f in r["formats"].items():
+        rows.append((f"  {name}", f"{f['tokens_s'] / 1e6:,.1f} M tok/s = {f['ratio_to_shards']:.2f} x our shards "
+                                  f"(median of {', '.join(f'{x / 1e6:,.1f}' for x in f['rounds'])})"))
+    rows += [(f"  {name}", f"left out: {why}") for name, why in r["formats_skipped"].items()]
+    return rows
 
 
 def _scaling_rows(sc: dict) -> list[tuple[str, str]]:

@@ -17,6 +17,7 @@ from .clients import READERS, Clients, Feeder, _client_cpu, _local, machine_cpu_
 from .config import BenchConfig, say
 from .dataset import dataset
 from .figures import streams, ttfb, wire_bytes_per_token
+from .formats import format_figures
 from .kafka_figures import kafka_figures
 from .report import machine, plot, ratios, versions
 
@@ -30,6 +31,17 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
                  "tokens_per_batch": cfg.micro_batch * (cfg.seq_len + 1), "message_bytes": cfg.message_bytes}
     clients = Clients()
     feeders: list[Feeder] = []   # stopped whatever happens
+    if cfg.only:
+        try:
+            if cfg.only == "formats":
+                res.update(format_figures(cfg, data, clients))
+            else:
+                _mixture(cfg, data, clients, feeders, res)
+        finally:
+            for f in feeders:
+                f.stop()
+            clients.close()
+        return _finish(res, t_start, json_path, "")
     try:
         f = Feeder(data["shards"], message_bytes=cfg.message_bytes)
         feeders.append(f)
@@ -40,6 +52,8 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         _many_streams(cfg, data, clients, feeders, res)
         _scaling(cfg, data, clients, feeders, res)
         _mixture(cfg, data, clients, feeders, res)
+        say("the same corpus in other tools' formats against our shards")
+        res.update(format_figures(cfg, data, clients))
     finally:
         for f in feeders:
             f.stop()
@@ -51,6 +65,10 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         except Exception as e:  # no broker: the rest of the figures still stand
             res["kafka_error"] = f"{e.__class__.__name__}: {e}"
     res["ratios"] = ratios(res)
+    return _finish(res, t_start, json_path, plot_path)
+
+
+def _finish(res: dict, t_start: float, json_path: str, plot_path: str) -> dict:
     res["elapsed_s"] = time.monotonic() - t_start
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
-               "reuse_port": "reuse_port"}
+               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index"}
 
 
 def serve_config(args):
@@ -315,8 +315,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--cursor-secret-file", help="file with the deployment's cursor secret "
                    "(or env FEEDER_CURSOR_SECRET); all feeders of a deployment share it")
     s.add_argument("--grace", type=float, help="seconds to drain streams on SIGTERM (default 10)")
-    s.add_argument("--vocab-size", type=int, help="Parquet token datasets without manifest.json")
-    s.add_argument("--eos-id", type=int, help="Parquet token datasets without manifest.json")
+    s.add_argument("--vocab-size", type=int, help="datasets without manifest.json that do not record it (Parquet, "
+                   "Megatron, HF, MDS, nanoGPT)")
+    s.add_argument("--eos-id", type=int, help="with --vocab-size")
+    _add_format_flags(s)
+    s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--metrics-port", type=int, default=None,
@@ -329,6 +332,40 @@ def _add_serve(sub) -> None:
     s.add_argument("--insecure", action="store_const", const=True, default=None,
                    help="allow plain text on a listener beyond loopback (a warning is logged)")
     s.set_defaults(fn=cmd_serve)
+
+
+def _add_format_flags(s) -> None:
+    s.add_argument("--column", help="the token column of a Hugging Face or MDS dataset (default input_ids)")
+    s.add_argument("--dtype", choices=["uint16", "uint32", "int32", "int64"],
+                   help="the token width of a nanoGPT .bin (uint16|uint32, default uint16) or an MDS bytes column")
+
+
+def cmd_index(args) -> int:
+    from feeder.sources.formats import Options
+    from feeder.sources.formats.sidecar import index
+
+    r = index(args.source, Options(vocab_size=args.vocab_size or 0, eos_id=-1 if args.eos_id is None else args.eos_id,
+                                   column=args.column or "", dtype=args.dtype or "", chunk_tokens=args.chunk_tokens),
+              out=args.out or "", workers=args.workers, progress=not args.quiet)
+    print(f"indexed {r['chunks']} chunk(s), {r['n_tokens']:,} tokens, {r['bytes']:,} bytes of {args.source}: "
+          f"{r['path']} (fingerprint {r['fingerprint'][:16]})")
+    return 0
+
+
+def _add_index(sub) -> None:
+    s = sub.add_parser("index", help="checksum a corpus in another tool's format (Megatron, HF, MDS, nanoGPT, llm.c) "
+                       "into a sidecar: chunks verified on first read, a content fingerprint")
+    s.add_argument("source", help="what `feeder serve --source` is given")
+    s.add_argument("--out", help="write the sidecar here (a directory) instead of next to the data; "
+                   "then `feeder serve --index DIR`")
+    s.add_argument("--vocab-size", type=int)
+    s.add_argument("--eos-id", type=int)
+    _add_format_flags(s)
+    s.add_argument("--chunk-tokens", type=int, default=0,
+                   help="tokens per checked chunk of a memory-mapped file (default 16Mi)")
+    s.add_argument("--workers", type=int, default=0, help="hashing threads (default: the cores, at most 8)")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(fn=cmd_index)
 
 
 def _add_token(sub) -> None:
@@ -410,6 +447,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_prep(sub)
     _add_publish(sub)
     _add_serve(sub)
+    _add_index(sub)
     _add_token(sub)
     _add_certs(sub)
     _add_health(sub)

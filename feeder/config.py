@@ -226,8 +226,13 @@ class ServeConfig:
     threads: int = 4
     cursor_secret: bytes = field(default=b"", repr=False)
     grace_s: float = 10.0
-    vocab_size: int = 0          # only for Parquet datasets without manifest.json
+    vocab_size: int = 0          # only for datasets without manifest.json that do not record it
     eos_id: int = -1
+    # Corpora in other tools' formats (feeder.sources.formats): the token column (HF, MDS), the
+    # token width (nanoGPT .bin, MDS bytes column), the `feeder index` sidecar if not beside the data.
+    column: str = ""
+    token_dtype: str = ""
+    index: str = ""
     log_format: str = "text"
     ledger: str = ""             # append one JSON line per delivered batch here ("" = off)
     metrics_listen: str = ""     # HOST:PORT for Prometheus /metrics ("" = off, port 0 = any)

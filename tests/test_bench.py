@@ -58,6 +58,10 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     assert res["scaling_h2"]["1"] > 0 and res["scaling_h2"]["2"] > 0
     assert res["scaling_discard"]["1"] > 0 and res["scaling_discard"]["2"] > 0
     assert all(x > 0 for x in res["scaling_discard"]["reader_cpu_s_per_gb"])
+    # issue 19: the same corpus from each other tool's format, in the same run, and its target
+    assert set(res["formats"]) == {"nanogpt", "llmc", "megatron", "hf", "mds"}, res["formats_skipped"]
+    assert all(len(f["rounds"]) == 2 and f["tokens_s"] > 0 and f["ratio_to_shards"] > 0 for f in res["formats"].values())
+    assert {f"format_{k}_vs_shards" for k in res["formats"]} <= set(res["ratios"])
     for n in "12":   # where the cores went while the feeders were read: adds up to the machine's
         m = res["scaling_discard"][f"machine_cores_{n}"]
         assert m["busy"] > m["feeders"] > 0 and m["readers"] > 0

@@ -49,7 +49,8 @@ def open_one(cfg: ServeConfig, where: str, name: str = "") -> Source:
         return src
     from feeder.sources.posix import open_source
 
-    return open_source(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id, name=name)
+    return open_source(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id, name=name, column=cfg.column,
+                       dtype=cfg.token_dtype, index=cfg.index)
 
 
 def load_sources(cfg: ServeConfig) -> dict[str, Source]:

@@ -146,18 +146,17 @@ class PosixSource:
             raise DataLoss(self._bad[si])
         shard = self.manifest.shards[si]
         try:
-            arr = self._load_arrow(si, ci) if shard.format == "arrow" else self._load_parquet(si, ci)
+            arr, mapped = self._load(si, ci)
         except (pa.ArrowException, OSError, ValueError) as e:
             self._bad[si] = f"shard {shard.path} cannot be read: {e}"
             raise DataLoss(self._bad[si]) from None
-        want = shard.chunks[ci]
-        if len(arr) != want.n_tokens or hashlib.sha256(arr).hexdigest() != want.sha256:
-            self._bad[si] = (f"shard {shard.path} is corrupt: chunk {ci} failed its sha256 check "
-                             "against the manifest")
-            log.error("dataset %s: %s", self.name, self._bad[si])
-            raise DataLoss(self._bad[si])
+        why = self._check(si, ci, arr)
+        if why:
+            self._bad[si] = why
+            log.error("dataset %s: %s", self.name, why)
+            raise DataLoss(why)
         with self._lock:
-            if shard.format == "arrow":
+            if mapped:
                 self._mapped[k] = arr
             else:
                 self._decoded[k] = arr
@@ -166,6 +165,23 @@ class PosixSource:
                     _, old = self._decoded.popitem(last=False)
                     self._decoded_bytes -= old.nbytes
         return arr
+
+    # The two steps a source of another on-disk format (feeder.sources.formats) replaces:
+    # how a chunk is read, and what is checked on its first read.
+    def _load(self, si: int, ci: int) -> tuple[np.ndarray, bool]:
+        """Chunk ci of shard si, and whether it is a view of a map (kept for good) or decoded
+        (kept in the bounded cache)."""
+        if self.manifest.shards[si].format == "arrow":
+            return self._load_arrow(si, ci), True
+        return self._load_parquet(si, ci), False
+
+    def _check(self, si: int, ci: int, arr: np.ndarray) -> str:
+        """Why the chunk just read cannot be served ("" when it can)."""
+        shard = self.manifest.shards[si]
+        want = shard.chunks[ci]
+        if len(arr) != want.n_tokens or hashlib.sha256(arr).hexdigest() != want.sha256:
+            return f"shard {shard.path} is corrupt: chunk {ci} failed its sha256 check against the manifest"
+        return ""
 
     def _load_arrow(self, si: int, ci: int) -> np.ndarray:
         reader = self._readers.get(si)
@@ -236,11 +252,23 @@ def index_parquet(root: str | os.PathLike, *, vocab_size: int, eos_id: int,
     return m.with_fingerprint()
 
 
-def open_source(root: str, *, vocab_size: int = 0, eos_id: int = -1, name: str = "") -> PosixSource:
-    """A manifest dataset, or a Parquet token dataset indexed on the fly."""
+def open_source(root: str, *, vocab_size: int = 0, eos_id: int = -1, name: str = "", column: str = "",
+                dtype: str = "", index: str = "") -> PosixSource:
+    """A manifest dataset; a corpus in another tool's format (feeder.sources.formats: Megatron,
+    Hugging Face save_to_disk, MDS, nanoGPT, llm.c), served where it lies; or a Parquet token
+    dataset indexed on the fly."""
+    from feeder.sources import formats
+
     if (Path(root) / mf.NAME).is_file():
         return PosixSource(root, name=name)
+    src = formats.open_any(root, formats.Options(vocab_size=vocab_size, eos_id=eos_id, column=column, dtype=dtype,
+                                                 index=index), name=name)
+    if src is not None:
+        return src
     if not Path(root).is_dir():
-        raise NotFound(f"dataset directory {root} does not exist")
+        raise NotFound(f"dataset {root} does not exist" if not Path(root).exists() else
+                       f"{root}: no dataset format recognized; looked for {formats.LOOKED_FOR}")
+    if not any(Path(root).rglob("*.parquet")):
+        raise NotFound(f"{root}: no dataset format recognized; looked for {formats.LOOKED_FOR}")
     log.info("%s has no %s: indexing its Parquet files", root, mf.NAME)
     return PosixSource(root, name=name, manifest=index_parquet(root, vocab_size=vocab_size, eos_id=eos_id))

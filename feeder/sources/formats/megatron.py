@@ -1,0 +1,99 @@
+"""Megatron-LM / Megatron-DeepSpeed indexed datasets: NAME.bin (the tokens of every document,
+back to back) and NAME.idx ("MMIDIDX" version 1: dtype, sequence lengths and byte pointers,
+document indices), as megatron.core.datasets.indexed_dataset writes them.
+
+The .bin is served from its memory map as it lies, no EOS added: Megatron's own GPTDataset
+concatenates documents exactly so, and an EOD is in the data when preprocess_data.py was run
+with --append-eod (it is stored at each document's end). So the samples are Megatron's."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from feeder.errors import DataLoss, InvalidArgument, NotFound
+from feeder.sources.formats import Options, Reader, chunking, head_digest, need_vocab
+from feeder.sources.formats.flat import TokenFiles
+
+MAGIC = b"MMIDIDX\x00\x00"
+HEADER = len(MAGIC) + 8 + 1 + 8 + 8          # magic, version <Q, dtype code <B, sequences <Q, documents <Q
+# indexed_dataset.DType codes of the token widths Megatron writes (uint16 below a 65500 vocabulary,
+# int32 above); int32 ids are served as uint32 (a negative one is then caught by the vocabulary check).
+DTYPES = {8: np.dtype("<u2"), 4: np.dtype("<u4")}
+CODE_NAMES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+
+
+def read_index(idx: Path, bin_: Path) -> tuple[np.dtype, int, int, bytes]:
+    """(token dtype, tokens in the .bin, documents, header bytes) after checking the .idx
+    against itself and the .bin's size."""
+    if not bin_.is_file():
+        raise NotFound(f"{idx} has no {bin_.name} beside it")
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        head = f.read(HEADER)
+        if len(head) < HEADER or head[:len(MAGIC)] != MAGIC:
+            raise DataLoss(f"{idx} is not a Megatron index: it starts {head[:len(MAGIC)]!r}, expected {MAGIC!r}")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(MAGIC):])
+        if version != 1:
+            raise DataLoss(f"{idx}: MMIDIDX version {version}, only version 1 is known")
+        if code not in DTYPES:
+            raise DataLoss(f"{idx}: token dtype {CODE_NAMES.get(code, f'code {code}')} is not served "
+                           "(Megatron writes uint16 or int32)")
+        want = HEADER + 12 * n_seq + 8 * n_doc
+        if size not in (want, want + n_seq):     # + one mode byte per sequence: multimodal
+            raise DataLoss(f"{idx} is {size} bytes, its header's {n_seq} sequences and {n_doc} document indices "
+                           f"need {want}: truncated or altered")
+        dtype = DTYPES[code]
+        if n_seq == 0:
+            last_ptr = last_len = 0
+        else:
+            f.seek(HEADER + 4 * (n_seq - 1))
+            (last_len,) = struct.unpack("<i", f.read(4))
+            f.seek(HEADER + 4 * n_seq + 8 * (n_seq - 1))
+            (last_ptr,) = struct.unpack("<q", f.read(8))
+        f.seek(HEADER + 12 * n_seq)
+        first_doc = struct.unpack("<q", f.read(8))[0] if n_doc else 0
+        f.seek(HEADER + 12 * n_seq + 8 * (n_doc - 1))
+        last_doc = struct.unpack("<q", f.read(8))[0] if n_doc else 0
+        if n_doc < 1 or first_doc != 0 or last_doc != n_seq:
+            raise DataLoss(f"{idx}: document indices run from {first_doc} to {last_doc}, expected 0 to {n_seq}")
+        f.seek(0)
+        summary = f.read(min(size, 1 << 20))    # with the size: what identifies the index cheaply
+    need = last_ptr + last_len * dtype.itemsize
+    have = bin_.stat().st_size
+    if have != need:
+        raise DataLoss(f"{bin_} is {have} bytes, its index {idx.name} describes {need}: "
+                       + ("the .bin is truncated" if have < need else "the .idx belongs to other data"))
+    return dtype, need // dtype.itemsize, n_doc - 1, summary
+
+
+def open_megatron(path: Path, opts: Options) -> Reader:
+    """A prefix (PATH.bin + PATH.idx; PATH may name either file), or a directory of prefixes
+    served as one dataset in sorted order."""
+    if path.is_dir():
+        prefixes = sorted(p.with_suffix("") for p in path.glob("*.idx"))
+        root = path
+    else:
+        prefixes = [path.with_suffix("") if path.suffix in (".bin", ".idx") else path]
+        root = prefixes[0].parent
+    files, heads, docs, dtypes = [], [], [], set()
+    for prefix in prefixes:
+        idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+        dtype, n, n_doc, summary = read_index(idx, bin_)
+        files.append((bin_, 0, n))
+        heads.append(summary)
+        docs.append(n_doc)
+        dtypes.add(dtype)
+    if len(dtypes) > 1:
+        raise InvalidArgument(f"{root}: Megatron prefixes of different token dtypes in one dataset")
+    dtype = dtypes.pop()
+    vocab, eos = need_vocab(f"{path} (a Megatron indexed dataset)", opts)
+    if vocab > 1 << (8 * dtype.itemsize):
+        raise InvalidArgument(f"--vocab-size {vocab} does not fit the index's {dtype.name} tokens")
+    reader = TokenFiles("megatron", root, files, dtype=dtype, vocab_size=vocab, eos_id=eos,
+                        chunk_tokens=chunking(opts), headers=heads)
+    for s, n_doc, (bin_, _, _) in zip(reader.shards, docs, files):
+        s.n_documents = n_doc
+        s.header = head_digest(s.header, Path(f"{bin_.with_suffix('')}.idx").stat().st_size)
+    return reader

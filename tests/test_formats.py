@@ -390,3 +390,38 @@ def sidecar_key(source, opts):
 
     reader = open_format(str(source), replace(opts, index=""))
     return hashlib.sha256(json.dumps(_table(reader), sort_keys=True).encode()).hexdigest()
+
+
+def test_a_mixture_of_two_formats_is_exact(tmp_path):
+    """Megatron files and a Hugging Face save_to_disk directory, mixed 60/40 (issue 18's rules):
+    every rank of world 2 gets the oracle's (source, id) pairs, each sample the tokens of its
+    own source, and resuming from a cursor in the middle goes on exactly."""
+    from tests.mixture_oracle import Oracle
+
+    a_docs, b_docs = make_docs(120, seed=31), make_docs(80, seed=32)
+    (tmp_path / "meg").mkdir()
+    meg = W.megatron(tmp_path / "meg" / "a_text_document", ids_of(a_docs), 256)
+    hf = W.hf(tmp_path / "hf", ids_of(b_docs))
+    streams = [byte_stream(a_docs), byte_stream(b_docs)]
+    sizes = [(len(s) - 1) // SEQ for s in streams]
+    oracle = Oracle(("web", "code"), sizes, (0.6, 0.4), sum(sizes), seed=SEED, shuffle=True, drop_last=False)
+    f = FeederProc(None, source=f"web={meg}", extra=["--source", f"code={hf}", *VOCAB])
+    try:
+        for rank in (0, 1):
+            kw = dict(job="two-formats", rank=rank, world_size=2, seq_len=SEQ, micro_batch=3, seed=SEED,
+                      mixture={"web": 0.6, "code": 0.4}, num_epochs=2, retry_for_s=20)
+            got = []
+            for b in FeederDataset([f.address], **kw):
+                got.append(b)
+            pairs = {e: [p for b in got if b.epoch == e for p in zip(b.sources.tolist(), b.sample_ids.tolist())]
+                     for e in (0, 1)}
+            assert pairs[0] == oracle.rank(2, rank, 0) and pairs[1] == oracle.rank(2, rank, 1)
+            for b in got:
+                for d, i, row in zip(b.sources.tolist(), b.sample_ids.tolist(), b.tokens.numpy()):
+                    assert (row == streams[d][i * SEQ:i * SEQ + SEQ + 1]).all()
+            cut = len(got) // 3
+            rest = list(FeederDataset([f.address], cursor=got[cut].cursor, **kw))
+            assert [(b.epoch, b.step, b.sample_ids.tolist(), b.sources.tolist()) for b in rest] == \
+                [(b.epoch, b.step, b.sample_ids.tolist(), b.sources.tolist()) for b in got[cut + 1:]]
+    finally:
+        f.stop()

@@ -433,3 +433,26 @@ def test_a_replica_whose_source_differs_is_moved_past_on_resume(corpora, tmp_pat
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_region_file_names_several_sources(corpora, tmp_path):
+    """`source = ["web=DIR", "code=DIR2"]` in a region file (paths relative to the file, as for
+    one source): the feeder serves both by name, the first as its default."""
+    from feeder_client import feeder_info
+
+    region = tmp_path / "r.toml"
+    rel = os.path.relpath(corpora["code"][0], tmp_path)
+    region.write_text(f'source = ["web={corpora["web"][0]}", "code={rel}"]\nregion = "mix"\n')
+    p = subprocess.Popen([sys.executable, "-m", "feeder.cli", "serve", "--config", str(region), "--listen",
+                          "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "listening on" in line, p.stderr.read()
+        address = line.split("listening on ")[1].strip()
+        info = feeder_info([address])
+        assert set(info.datasets) == {"web", "code"} and info.region == "mix"
+        assert info.fingerprint == feeder_info([address], dataset="web").fingerprint
+        assert take(ds([address], "region-file", 1, 0, {"web": 1, "code": 1}), limit=2)
+    finally:
+        p.kill()
+        p.wait(10)

@@ -1,0 +1,109 @@
+"""Accelerate, the Hugging Face Trainer and Lightning fed by a live feeder: 2 ranks on CPU (gloo),
+launched by torchrun, each framework's own checkpoint and resume call (trainer/examples/).
+
+What is checked, per framework: the ids each rank trained on are DistributedSampler's; a run
+checkpointed at step k and killed, resumed with the framework's resume call, trains on exactly
+the uninterrupted run's ids after step k, and the feeder's ledger shows it was never asked for
+a batch before step k (no batches skipped by pulling them); gradient accumulation 2 with 2
+DataLoader workers; the mistakes a user makes are refused with a message that says what to do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from feeder.config import ServeConfig
+from feeder.sampler import n_samples
+from feeder.service.server import ServerThread
+from tests.helpers import free_port, reference_ids
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parent.parent / "trainer" / "examples"
+SEQ, MB, SEED = 64, 4, 3
+
+
+def torchrun(example: str, address: str, job: str, cwd: Path, *extra: str, expect_rc: int = 0,
+             limit_s: float = 120) -> str:
+    """One torchrun of 2 CPU ranks; stdout+stderr. A hung run gets SIGABRT (faulthandler
+    prints every rank's stacks) and fails the test with them."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(EXAMPLES / f"{example}.py"), "--targets", address, "--job", job, "--seq-len", str(SEQ),
+           "--micro-batch", str(MB), "--seed", str(SEED), *extra]
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGABRT)
+        out, _ = p.communicate(timeout=60)
+        pytest.fail(f"{example} {job}: no end after {limit_s} s:\n{out[-12000:]}")
+    assert (p.returncode == 0) == (expect_rc == 0), out[-6000:]
+    return out
+
+
+def ids_log(d: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (d / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def ledger_steps(path: Path, job: str, rank: int) -> list[int]:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return sorted({r["step"] for r in recs if r.get("job") == job and r.get("rank") == rank and "ids" in r})
+
+
+def check_exact_resume(example: str, dataset: Path, stream, tmp: Path, *, steps: int, save: int, crash: int,
+                       grad_accum: int, workers: int, resume_args: tuple[str, ...]) -> None:
+    """Straight run; a run saving every `save` steps killed after `crash`; the resumed run.
+    Each on a feeder of its own with a ledger, so the ledger shows what each run asked for."""
+    common = ("--steps", str(steps), "--grad-accum", str(grad_accum), "--workers", str(workers))
+    runs = {}
+    for name, job, extra, rc in (
+            ("a", "straight", (), 0),
+            ("b", "crashed", ("--save-every", str(save), "--crash-at-step", str(crash)), 17),
+            ("c", "crashed", resume_args, 0)):
+        ledger = tmp / f"ledger-{name}.jsonl"
+        with ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", ledger=str(ledger))) as srv:
+            runs[name] = torchrun(example, srv.address, job, tmp, *common, "--out", str(tmp / "ckpt"),
+                                  "--log-ids", str(tmp / name), *extra, expect_rc=rc)
+    n = n_samples(len(stream), SEQ)
+    first = save * grad_accum               # the feeder step right after the checkpoint
+    for rank in (0, 1):
+        a, b, c = (ids_log(tmp / d, rank) for d in "abc")
+        want = reference_ids(n, 2, rank, shuffle=True, seed=SEED, drop_last=False, epoch=0)
+        assert len(a) == steps * grad_accum
+        assert [i for x in a for i in x["ids"]] == want[:steps * grad_accum * MB], f"rank {rank}: not DistributedSampler's"
+        assert [x["feeder_step"] for x in a] == list(range(steps * grad_accum))
+        assert [x["ids"] for x in b[:first]] == [x["ids"] for x in a[:first]]
+        assert len(b) >= crash * grad_accum, "the killed run got past its checkpoint before dying"
+        # the resumed run trains on exactly the uninterrupted run's batches after the checkpoint
+        assert [x["ids"] for x in c] == [x["ids"] for x in a[first:]], f"rank {rank}"
+        assert [x["step"] for x in c] == [s for s in range(save, steps) for _ in range(grad_accum)]
+        # and the feeder was asked for nothing before the checkpoint's step: no batch was skipped by pulling it
+        asked = ledger_steps(tmp / "ledger-c.jsonl", "crashed", rank)
+        assert asked and min(asked) == first, f"rank {rank}: the resumed run asked for steps {asked[:5]}..."
+
+
+# --- Accelerate -----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_accelerate_exact_with_grad_accum_and_workers_and_resume_by_load_state(dataset, stream, tmp_path):
+    check_exact_resume("accelerate_train", dataset, stream, tmp_path, steps=6, save=3, crash=5, grad_accum=2,
+                       workers=2, resume_args=("--resume",))
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
+    out = torchrun("accelerate_train", feeder.address, "mistake-dispatch", tmp_path, "--mistake", "dispatch",
+                   expect_rc=1)
+    assert "must not be wrapped by DataLoaderDispatcher" in out and "prepare_feeder(accelerator, dataset)" in out
+    out = torchrun("accelerate_train", feeder.address, "mistake-shard", tmp_path, "--mistake", "shard", expect_rc=1)
+    assert "must not be wrapped by IterableDatasetShard" in out and "every world_size-th" in out
+    out = torchrun("accelerate_train", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
+    assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out

@@ -107,3 +107,24 @@ def test_accelerate_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     assert "must not be wrapped by IterableDatasetShard" in out and "every world_size-th" in out
     out = torchrun("accelerate_train", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
     assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out
+
+
+# --- Hugging Face Trainer -------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_hf_trainer_exact_with_grad_accum_and_workers_and_resume_from_checkpoint(dataset, stream, tmp_path):
+    check_exact_resume("hf_trainer", dataset, stream, tmp_path, steps=6, save=3, crash=5, grad_accum=2,
+                       workers=2, resume_args=("--resume",))
+    # the cursors are in the Trainer's checkpoint folder, next to its RNG and optimizer state
+    assert {"feeder_state.pt", "rng_state_0.pth", "rng_state_1.pth", "optimizer.pt"} <= {
+        p.name for p in (tmp_path / "ckpt" / "checkpoint-3").iterdir()}
+
+
+@pytest.mark.timeout(240)
+def test_hf_trainer_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
+    # a plain Trainer re-batches the dataset and hands it to accelerator.prepare (here with workers too)
+    out = torchrun("hf_trainer", feeder.address, "mistake-plain", tmp_path, "--mistake", "plain", "--workers", "2",
+                   expect_rc=1)
+    assert "not a DataLoader that batches again (a Trainer given the dataset without FeederTrainer" in out
+    out = torchrun("hf_trainer", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
+    assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out

@@ -128,3 +128,21 @@ def test_hf_trainer_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     assert "not a DataLoader that batches again (a Trainer given the dataset without FeederTrainer" in out
     out = torchrun("hf_trainer", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
     assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out
+
+
+# --- Lightning ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_lightning_exact_with_grad_accum_and_workers_and_fit_ckpt_path(dataset, stream, tmp_path):
+    """Lightning's fetcher reads a batch ahead of the one trained on: the checkpoint must hold
+    the trained one's cursor, or the resumed run would miss a batch per rank."""
+    check_exact_resume("lightning_train", dataset, stream, tmp_path, steps=6, save=3, crash=5, grad_accum=2,
+                       workers=2, resume_args=("--resume",))
+
+
+@pytest.mark.timeout(240)
+def test_lightning_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
+    out = torchrun("lightning_train", feeder.address, "mistake-rebatch", tmp_path, "--mistake", "rebatch", expect_rc=1)
+    assert "wrap it in DataLoader(dataset, batch_size=None)" in out
+    out = torchrun("lightning_train", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
+    assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out

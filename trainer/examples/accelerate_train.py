@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     dataset = DistributedFeederDataset(targets(args.targets), job=args.job, seq_len=args.seq_len,
                                        micro_batch=args.micro_batch, seed=args.seed, num_epochs=1)
     if args.mistake == "dispatch":     # what a user tries first: Accelerate dispatches rank 0's batches
-        loader = accelerator.prepare(DataLoader(dataset, batch_size=None))
+        loader = accelerator.prepare(DataLoader(dataset, batch_size=None, num_workers=args.workers))
     elif args.mistake == "shard":      # dispatch_batches=False: Accelerate re-shards each rank's stream
         from accelerate.data_loader import prepare_data_loader
 

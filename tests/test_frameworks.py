@@ -147,3 +147,47 @@ def test_lightning_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     assert "wrap it in DataLoader(dataset, batch_size=None)" in out
     out = torchrun("lightning_train", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
     assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out
+
+
+# --- in one process: the loader's state and the checks, without a framework --------------------
+
+def test_loader_state_continues_exactly_and_refuses_another_stream(feeder, stream):
+    from feeder_trainer.integrations.common import DistributedFeederDataset, FeederIntegrationError, FeederLoader
+
+    def loader(job="state", rank=0, world_size=2):
+        return FeederLoader(DistributedFeederDataset(feeder.address, job=job, rank=rank, world_size=world_size,
+                                                     seq_len=SEQ, micro_batch=MB, seed=SEED))
+
+    want = reference_ids(n_samples(len(stream), SEQ), 2, 0, shuffle=True, seed=SEED, drop_last=False, epoch=0)
+    first = loader()
+    it = iter(first)
+    took = [next(it).sample_ids.tolist() for _ in range(3)]   # the loop stops here; read-ahead is not taken
+    state = first.state_dict()
+    assert set(state["cursors"]) == {0} and state["world_size"] == 2
+    again = loader()
+    again.load_state_dict(state)
+    rest = next(iter(again)).sample_ids.tolist()
+    assert [i for b in took for i in b] + rest == want[:4 * MB]
+    # a new pass over the same loader continues after the last batch taken, too
+    assert next(iter(first)).sample_ids.tolist() == rest
+    for other, msg in ((loader(job="other"), "job 'state' over 2 ranks, this run streams job 'other' over 2"),
+                       (loader(world_size=3), "job 'state' over 2 ranks, this run streams job 'state' over 3"),
+                       (loader(rank=1), "no cursor for rank 1")):
+        with pytest.raises(FeederIntegrationError, match=msg):
+            other.load_state_dict(state)
+
+
+def test_rank_from_the_environment_and_rebatching_refused(feeder, monkeypatch):
+    from torch.utils.data import DataLoader
+
+    from feeder_trainer.integrations.common import DistributedFeederDataset, FeederIntegrationError
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    ds = DistributedFeederDataset(feeder.address, job="env", seq_len=SEQ, micro_batch=MB)
+    assert (ds.spec.rank, ds.spec.world_size) == (1, 3)
+    with pytest.raises(FeederIntegrationError, match="world_size=2 but RANK/WORLD_SIZE in the environment says"):
+        DistributedFeederDataset(feeder.address, job="env", seq_len=SEQ, micro_batch=MB, world_size=2)
+    with pytest.raises(FeederIntegrationError, match=r"wrap it in DataLoader\(dataset, batch_size=None\)"):
+        next(iter(DataLoader(ds, batch_size=2)))
+    assert next(iter(DataLoader(ds, batch_size=None))).sample_ids.numel() == MB

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), strategy="ddp",
                          max_steps=args.steps, accumulate_grad_batches=args.grad_accum, callbacks=callbacks,
                          enable_checkpointing=bool(args.save_every), logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
+                         enable_model_summary=False)
     # feeder: ckpt_path restores every rank's cursor (FeederDataModule.load_state_dict)
     trainer.fit(LM(IdsLog(args.log_ids, rank)), datamodule=data,
                 ckpt_path=os.path.join(args.out, "last.ckpt") if args.resume else None)

@@ -166,13 +166,15 @@ class FeederLoader:
             yield out if self.device is None else to_device(out, self.device)
 
     def state_dict(self) -> dict:
-        """{"version", "job", "world_size", "cursors": [one per rank]}: collective when a
-        process group exists (every rank must call it, as every framework's save does)."""
+        """{"version", "job", "world_size", "cursors": {rank: cursor}}: every rank's when a process
+        group exists (collective then: every rank must call it, as every framework's save does),
+        else this rank's alone."""
         spec = self.dataset.spec
-        cursors = [self.cursor]
+        cursors = {spec.rank: self.cursor}
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            cursors = [None] * dist.get_world_size()
-            dist.all_gather_object(cursors, self.cursor)
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (spec.rank, self.cursor))
+            cursors = dict(gathered)
         return {"version": STATE_VERSION, "job": spec.job, "world_size": spec.world_size, "cursors": cursors}
 
     def load_state_dict(self, state: dict) -> None:
@@ -180,15 +182,19 @@ class FeederLoader:
 
         Raises:
             FeederIntegrationError: a state of another version, job or world size (a different
-                world size needs a FeederDataset with reshard=True and the rank's cursor).
+                world size needs a FeederDataset with reshard=True and the rank's cursor), or
+                without this rank's cursor.
         """
         spec = self.dataset.spec
         if state.get("version") != STATE_VERSION:
             raise FeederIntegrationError(f"feeder loader state version {state.get('version')!r}, expected {STATE_VERSION}")
-        if state["job"] != spec.job or len(state["cursors"]) != spec.world_size:
+        if (state["job"], state["world_size"]) != (spec.job, spec.world_size):
             raise FeederIntegrationError(
-                f"the checkpoint's feeder state is job {state['job']!r} over {len(state['cursors'])} ranks, this run "
+                f"the checkpoint's feeder state is job {state['job']!r} over {state['world_size']} ranks, this run "
                 f"streams job {spec.job!r} over {spec.world_size}")
+        if spec.rank not in state["cursors"]:
+            raise FeederIntegrationError(f"the checkpoint's feeder state has no cursor for rank {spec.rank} (it holds "
+                                         f"ranks {sorted(state['cursors'])}: saved without a process group?)")
         self.cursor = state["cursors"][spec.rank]
         self.dataset.load_state_dict({"version": 1, "cursor": self.cursor})
 

@@ -147,6 +147,10 @@ def test_lightning_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     assert "wrap it in DataLoader(dataset, batch_size=None)" in out
     out = torchrun("lightning_train", feeder.address, "mistake-rank", tmp_path, "--mistake", "rank", expect_rc=1)
     assert "feeder dataset rank=0 but the torch.distributed process group says rank=1" in out
+    # training_step(dataloader_iter) skips the hook that records the trained batch's cursor: refused at the save
+    out = torchrun("lightning_train", feeder.address, "mistake-iter", tmp_path, "--mistake", "iter", "--save-every",
+                   "2", "--out", str(tmp_path / "ckpt"), expect_rc=1)
+    assert "pass each batch through self.trainer.datamodule.on_before_batch_transfer(batch, 0)" in out
 
 
 # --- in one process: the loader's state and the checks, without a framework --------------------

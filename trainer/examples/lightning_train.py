@@ -31,6 +31,12 @@ class LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class IterLM(LM):   # the mistake: training_step(dataloader_iter) skips the hook that records the cursor
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)
+        return self.model(batch["tokens"])
+
+
 class CrashAt(Callback):
     def __init__(self, step):
         self.step = step
@@ -70,7 +76,8 @@ def main(argv=None) -> int:
                          enable_checkpointing=bool(args.save_every), logger=False, enable_progress_bar=False,
                          enable_model_summary=False)
     # feeder: ckpt_path restores every rank's cursor (FeederDataModule.load_state_dict)
-    trainer.fit(LM(IdsLog(args.log_ids, rank)), datamodule=data,
+    model = (IterLM if args.mistake == "iter" else LM)(IdsLog(args.log_ids, rank))
+    trainer.fit(model, datamodule=data,
                 ckpt_path=os.path.join(args.out, "last.ckpt") if args.resume else None)
     if trainer.global_rank == 0:
         print(f"done: {trainer.global_step} steps")

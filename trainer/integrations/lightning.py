@@ -15,9 +15,10 @@ How, and why:
   loader yielded is not the last one trained. Each batch carries its cursor (key
   "feeder_cursor"); FeederDataModule.on_before_batch_transfer, which Lightning calls as it starts
   the batch's step, takes it off and records it: the checkpoint holds the cursor of the last
-  batch trained on. (A LightningModule that defines on_before_batch_transfer shadows the
-  DataModule's: call `self.trainer.datamodule.on_before_batch_transfer(batch, i)` from it;
-  state_dict refuses to save a position it never saw.)
+  batch trained on. (Lightning prefers the DataModule's hook to a LightningModule's of the same
+  name, with a warning; a training_step(dataloader_iter) bypasses the hook, so batches it takes
+  must go through `self.trainer.datamodule.on_before_batch_transfer(batch, 0)`; state_dict
+  refuses to save a position it never saw.)
 * state_dict / load_state_dict: Lightning calls state_dict on every rank and writes rank 0's,
   so every rank's cursor is gathered into it; load_state_dict (Trainer.fit(ckpt_path=...)) takes
   this rank's. A restored mid-epoch run is not fast-forwarded by Lightning for an iterable, so
@@ -109,9 +110,9 @@ class FeederDataModule(pl.LightningDataModule):
             return {}
         if self.loader.last_step >= 0 and not self._seen:
             raise FeederIntegrationError(
-                "FeederDataModule never saw a batch start training: the LightningModule's on_before_batch_transfer "
-                "shadows the DataModule's; call self.trainer.datamodule.on_before_batch_transfer(batch, "
-                "dataloader_idx) from it, or the checkpoint would hold the fetcher's read-ahead position")
+                "FeederDataModule never saw a batch start training (Lightning skips on_before_batch_transfer for "
+                "a training_step(dataloader_iter)): pass each batch through self.trainer.datamodule."
+                "on_before_batch_transfer(batch, 0), or the checkpoint would hold the fetcher's read-ahead position")
         self.loader.cursor = self._trained   # collective: gathers every rank's
         return {"feeder": self.loader.state_dict()}
 

@@ -158,7 +158,10 @@ class FeederLoader:
         if isinstance(self.dataset, DistributedFeederDataset):
             self.dataset.check_process_group()
         # Every pass starts after the last batch the loop took (not after what workers read ahead).
-        self.dataset.load_state_dict({"version": 1, "cursor": self.cursor})
+        # Only when that is not where the dataset stands already: load_state_dict leaves a file in
+        # /dev/shm for workers, which a process ended by os._exit or SIGKILL does not remove.
+        if self.cursor != self.dataset.cursor:
+            self.dataset.load_state_dict({"version": 1, "cursor": self.cursor})
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers, **self.dataloader_kw)
         for batch in loader:
             self.cursor, self.last_step = batch.cursor, batch.step

@@ -59,10 +59,10 @@ def ledger_steps(path: Path, job: str, rank: int) -> list[int]:
 
 
 def check_exact_resume(example: str, dataset: Path, stream, tmp: Path, *, steps: int, save: int, crash: int,
-                       grad_accum: int, workers: int, resume_args: tuple[str, ...]) -> None:
+                       grad_accum: int, workers: int, resume_args: tuple[str, ...], extra: tuple[str, ...] = ()) -> None:
     """Straight run; a run saving every `save` steps killed after `crash`; the resumed run.
     Each on a feeder of its own with a ledger, so the ledger shows what each run asked for."""
-    common = ("--steps", str(steps), "--grad-accum", str(grad_accum), "--workers", str(workers))
+    common = ("--steps", str(steps), "--grad-accum", str(grad_accum), "--workers", str(workers), *extra)
     runs = {}
     for name, job, extra, rc in (
             ("a", "straight", (), 0),
@@ -119,6 +119,15 @@ def test_hf_trainer_exact_with_grad_accum_and_workers_and_resume_from_checkpoint
     # the cursors are in the Trainer's checkpoint folder, next to its RNG and optimizer state
     assert {"feeder_state.pt", "rng_state_0.pth", "rng_state_1.pth", "optimizer.pt"} <= {
         p.name for p in (tmp_path / "ckpt" / "checkpoint-3").iterdir()}
+
+
+@pytest.mark.timeout(240)
+def test_hf_trainer_with_deepspeed_zero2_is_exact_too(dataset, stream, tmp_path):
+    """The issue's case: the Trainer run with --deepspeed (ZeRO-2, on CPU here), the same checks."""
+    check_exact_resume("hf_trainer", dataset, stream, tmp_path, steps=4, save=2, crash=3, grad_accum=2,
+                       workers=0, resume_args=("--resume",),
+                       extra=("--deepspeed", str(EXAMPLES / "ds_zero2_hf.json")))
+    assert (tmp_path / "ckpt" / "checkpoint-2" / "global_step2").is_dir()   # DeepSpeed's own checkpoint
 
 
 @pytest.mark.timeout(240)

@@ -25,11 +25,14 @@ class CrashAt(TrainerCallback):
 
 
 def main(argv=None) -> int:
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--deepspeed", default="", help="a DeepSpeed config (JSON) for the Trainer")
+    args = p.parse_args(argv)
     training = TrainingArguments(output_dir=args.out, max_steps=args.steps, gradient_accumulation_steps=args.grad_accum,
                                  dataloader_num_workers=args.workers, save_strategy="steps" if args.save_every else "no",
                                  save_steps=args.save_every or 1, learning_rate=1e-3, logging_steps=1, report_to="none",
-                                 use_cpu=True, ddp_backend="gloo", seed=args.seed, disable_tqdm=True)
+                                 use_cpu=True, ddp_backend="gloo", seed=args.seed, disable_tqdm=True,
+                                 deepspeed=args.deepspeed or None)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=args.seq_len + 1, n_embd=32, n_layer=1, n_head=2,
                                        bos_token_id=256, eos_token_id=256))
     # feeder: rank and world_size come from the process group (torchrun's RANK/WORLD_SIZE)

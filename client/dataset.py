@@ -96,8 +96,9 @@ class FeederDataset(IterableDataset):
         # Where load_state_dict leaves the cursor for DataLoader workers: a persistent worker
         # holds the copy of this object it was started with, so a cursor loaded here later
         # reaches it only through a file it reads at the start of each pass.
-        self._anchor = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                                    f"feeder-dataset-{os.getpid()}-{uuid.uuid4().hex}.cursor")
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        _remove_orphaned_anchors(where)
+        self._anchor = os.path.join(where, f"feeder-dataset-{os.getpid()}-{uuid.uuid4().hex}.cursor")
         weakref.finalize(self, _remove_anchor, self._anchor, os.getpid())
 
     def __iter__(self) -> Iterator[FeederBatch]:
@@ -202,3 +203,35 @@ def mixture_pairs(mixture) -> tuple[tuple[str, float], ...]:
 
         raise InvalidArgument(f"mixture must be {{source: weight}} or [(source, weight), ...], got {mixture!r:.80}") \
             from None
+
+
+def _remove_orphaned_anchors(where: str) -> int:
+    """Remove the anchors of processes that are gone: a trainer ended by SIGKILL or os._exit
+    never runs its finalizers, and each of its datasets left a small file in /dev/shm (RAM)
+    behind. Only this user's, only of dead processes; how many were removed."""
+    import re
+
+    removed = 0
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return 0
+    for name in names:
+        m = re.fullmatch(r"feeder-dataset-(\d+)-[0-9a-f]{32}\.cursor", name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue           # alive (or another user's process: EPERM below)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue
+        path = os.path.join(where, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass
+    return removed

@@ -80,7 +80,8 @@ class FeederDataset(IterableDataset):
                                compression_level=compression_level, reshard=reshard,
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
                                bad_records=bad_records, client_started_ns=process_started_ns(),
-                               mixture=mixture_pairs(mixture), epoch_samples=epoch_samples, remix=remix)
+                               mixture=mixture_pairs(mixture), remix=remix,
+                               epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__") else epoch_samples)
         self.targets = tuple(targets)
         self.cursor = cursor
         # Plain values only (no gRPC objects): the dataset is pickled to DataLoader workers.
@@ -195,9 +196,12 @@ def mixture_pairs(mixture) -> tuple[tuple[str, float], ...]:
     """A mixture as StreamSpec takes it: {name: weight} or [(name, weight), ...], in order."""
     if mixture is None:
         return ()
+    import numbers
+
     pairs = mixture.items() if isinstance(mixture, Mapping) else mixture
-    try:
-        return tuple((name, weight) for name, weight in pairs)
+    try:   # numpy's scalars as Python's (the spec checks types; a weight of np.float32 is a number)
+        return tuple((name, float(weight) if isinstance(weight, numbers.Real) and not isinstance(weight, bool)
+                      else weight) for name, weight in pairs)
     except (TypeError, ValueError):
         from feeder.errors import InvalidArgument
 

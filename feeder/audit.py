@@ -23,7 +23,7 @@ class EpochAudit:
     drop_last: bool
     worlds: set = field(default_factory=set)
     batches: dict = field(default_factory=dict)      # (world, rank, step) -> ids
-    mixture: dict | None = None                      # {source: weight} of a mixture's epoch
+    mixture: dict | None = None                      # {source: weight} of a mixture's epoch ({}: it changed)
     sources: dict = field(default_factory=dict)      # (world, rank, step) -> a mixture's sources
     conflicts: list = field(default_factory=list)
     resent: int = 0
@@ -39,11 +39,10 @@ class EpochAudit:
         dropped = sum(self.n - per_rank(self.n, w, True) * w for w in self.worlds) if self.drop_last else 0
         ok = not self.conflicts and extra <= padding and len(missing) <= dropped
         out = {}
-        if self.mixture is not None:   # each source's positions against its weight's share
-            names = list(self.mixture)
-            got = Counter(names[d] for ids in self.sources.values() for d in ids)
-            out["per_source"] = {n: {"samples": got[n], "expected": round(w * self.n, 1)}
-                                 for n, w in self.mixture.items()}
+        if self.mixture is not None:   # each source's positions, against its weight's share
+            got = Counter(name for names in self.sources.values() for name in names)
+            out["per_source"] = {n: {"samples": got[n], "expected": round(self.mixture[n] * self.n, 1)
+                                     if n in self.mixture else None} for n in sorted(got, key=lambda n: -got[n])}
         return {**out, "job": self.job, "epoch": self.epoch, "samples": self.n, "batches": len(self.batches),
                 "resent_batches": self.resent, "missing": missing[:50], "n_missing": len(missing),
                 "duplicates": sorted(repeats)[:50], "n_duplicate_deliveries": extra, "padding_allowed": padding,
@@ -68,7 +67,9 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
                 if not isinstance(rec, dict) or not ("open" in rec or {"job", "epoch"} <= rec.keys()):
                     raise InputError(f"{path}:{lineno}: not a ledger line")
                 if "open" in rec:
-                    meta.setdefault(rec["open"], rec)
+                    first = meta.setdefault(rec["open"], rec)
+                    if first.get("mixture") != rec.get("mixture"):   # remixed: no one set of weights
+                        first["mixture"] = {}
                 elif not job or rec["job"] == job:
                     pending[rec["job"], rec["epoch"]].append(rec)
     for (j, epoch), recs in sorted(pending.items()):

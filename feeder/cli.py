@@ -228,7 +228,10 @@ def cmd_audit(args) -> int:
                   f"(padding allows {r['padding_allowed']}), {len(r['conflicts'])} conflicting batches")
         if "per_source" in r:
             print("  per source (positions filled / weight x samples): " + ", ".join(
-                f"{n} {v['samples']}/{v['expected']:g}" for n, v in r["per_source"].items()))
+                f"{n} {v['samples']}/{'?' if v['expected'] is None else format(v['expected'], 'g')}"
+                for n, v in r["per_source"].items())
+                + ("" if all(v["expected"] is not None for v in r["per_source"].values())
+                   else " (the job's mixture changed: no one set of weights)"))
     if not results:
         print("no batches in the ledger" + (f" for job {args.job!r}" if args.job else ""))
         return 1

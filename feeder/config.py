@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ UINT64_MAX = (1 << 64) - 1
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
 MAX_SOURCES = 256    # sources in one mixture
+MAX_EPOCH_SAMPLES = 2**31 - 1
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHOWN_CHARS = 64
 
@@ -165,7 +167,8 @@ class StreamSpec:
             raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
                                   f"got {self.epoch} + {self.num_epochs}")
         _mixture(self.mixture, self.dataset)
-        _non_negative("epoch_samples", self.epoch_samples, upper=UINT64_MAX)
+        # A mixture's epoch is materialized (~14 bytes a position: its order and its blending).
+        _non_negative("epoch_samples", self.epoch_samples, upper=MAX_EPOCH_SAMPLES)
         for flag in ("shuffle", "drop_last", "reshard", "continued", "remix"):
             _flag(flag, getattr(self, flag))
         # "": the feeder chooses, and it may choose zstd at this level.
@@ -190,7 +193,8 @@ class StreamSpec:
         return UINT32_MAX + 1 if self.num_epochs == 0 else self.epoch + self.num_epochs
 
 
-_NAMED = re.compile(r"([A-Za-z0-9_.-]+)=(.+)", re.S)
+# NAME=DATASET: a name is any printable text without "=" or "/" (so no path is read as one).
+_NAMED = re.compile(r"([^=/]+)=(.+)", re.S)
 
 
 def named_sources(values: list[str]) -> dict:
@@ -199,7 +203,7 @@ def named_sources(values: list[str]) -> dict:
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         raise InvalidArgument(f"source must be a dataset or a list of NAME=DATASET, got {shown(values)}")
     named = [_NAMED.fullmatch(v) for v in values]
-    if len(values) == 1 and not named[0]:
+    if len(values) == 1 and (not named[0] or os.path.exists(values[0])):   # a directory named date=2024-01-01
         return {"source": values[0]}
     unnamed = [v for v, m in zip(values, named) if not m]
     if unnamed:
@@ -268,8 +272,8 @@ class ServeConfig:
         if len(set(names)) != len(names):
             raise InvalidArgument(f"source names must be unique, got {names}")
         for name, where in self.sources:
-            if not _NAMED.fullmatch(f"{name}={where}") or len(name) > MAX_NAME:
-                raise InvalidArgument(f"a source needs a name of letters, digits, _ . - and a dataset, got "
+            if not _NAMED.fullmatch(f"{name}={where}") or len(name) > MAX_NAME or not name.isprintable():
+                raise InvalidArgument(f"a source needs a printable name without = or / and a dataset, got "
                                       f"{shown(name)}={shown(where)}")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:

@@ -81,7 +81,9 @@ class Mixture:
     samples (feeder.mixture has the rules). Per source, in the mixture's order: its name, its
     data's fingerprint, its normalized weight, and its draws made before epoch `ref_epoch`
     (the draw counters, which run on across epochs and mixture changes). In `ref_epoch` the
-    blending starts at `mix_base` of the epoch's global order (> 0 after a mid-epoch remix)."""
+    blending starts at `mix_base` of the epoch's global order (> 0 after a mid-epoch remix).
+    The first `active` sources are the mixture (0: all); those after it were dropped by a remix
+    and keep their counters, so a source mixed in again goes on where it stood (weight 0)."""
     names: tuple[str, ...]
     fingerprints: tuple[str, ...]
     weights: tuple[float, ...]
@@ -89,13 +91,20 @@ class Mixture:
     epoch_samples: int
     ref_epoch: int = 0
     mix_base: int = 0
+    active: int = 0
 
     _ONE = struct.Struct(">dQ")
-    _TAIL = struct.Struct(">QIQ")
+    _TAIL = struct.Struct(">QIQH")
+
+    @property
+    def k(self) -> int:
+        """How many sources are mixed (the first k)."""
+        return self.active or len(self.names)
 
     def __post_init__(self):
         k = len(self.names)
-        if not 0 < k <= 32767 or not len(self.fingerprints) == len(self.weights) == len(self.offsets) == k:
+        if not 0 < k <= 32767 or not len(self.fingerprints) == len(self.weights) == len(self.offsets) == k \
+                or not 0 <= self.active <= k:
             raise ValueError("a mixture position needs a name, fingerprint, weight and offset per source")
 
     def pack(self) -> bytes:
@@ -103,7 +112,7 @@ class Mixture:
         for name, fp, w, off in zip(self.names, self.fingerprints, self.weights, self.offsets):
             nb, fb = name.encode(), fp.encode()
             out += [struct.pack(">H", len(nb)), nb, struct.pack(">H", len(fb)), fb, self._ONE.pack(w, off)]
-        out.append(self._TAIL.pack(self.epoch_samples, self.ref_epoch, self.mix_base))
+        out.append(self._TAIL.pack(self.epoch_samples, self.ref_epoch, self.mix_base, self.active))
         return b"".join(out)
 
     @classmethod
@@ -121,11 +130,11 @@ class Mixture:
             ws.append(w)
             offs.append(off)
             at += cls._ONE.size
-        n, ref, base = cls._TAIL.unpack_from(b, at)
+        n, ref, base, active = cls._TAIL.unpack_from(b, at)
         if at + cls._TAIL.size != len(b):
             raise struct.error(f"a mixture position of {k} sources has {len(b)} bytes")
         return cls(names=tuple(names), fingerprints=tuple(fps), weights=tuple(ws), offsets=tuple(offs),
-                   epoch_samples=n, ref_epoch=ref, mix_base=base)
+                   epoch_samples=n, ref_epoch=ref, mix_base=base, active=active)
 
 
 Position = KafkaEpoch | KafkaFollow | Mixture | None

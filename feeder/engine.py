@@ -126,8 +126,10 @@ class Engine:
                 a, b = bounds[j], bounds[j + 1]
                 rec = {"job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
                        "step": int(block.steps[j]), "ids": block.ids[a:b].tolist()}
-                if block.sources is not None:   # a mixture: audit counts positions, and sources
-                    rec.update(ids=block.positions[a:b].tolist(), sources=block.sources[a:b].tolist(),
+                if block.sources is not None:   # a mixture: audit counts positions, and sources by name
+                    names = stream.state.mixture
+                    rec.update(ids=block.positions[a:b].tolist(),
+                               sources=[names[d] for d in block.sources[a:b].tolist()],
                                sample_ids=block.ids[a:b].tolist())
                 lines.append(json.dumps(rec) + "\n")
             self.ledger.write("".join(lines))

@@ -93,13 +93,17 @@ def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool) -> np.
 
 
 def offsets_at(mix: Mixture, epoch: int) -> np.ndarray:
-    """Each source's draws made before `epoch` (>= mix.ref_epoch) under this mixture."""
+    """Each source's draws made before `epoch` (>= mix.ref_epoch) under this mixture (a source
+    dropped from it keeps its counter)."""
     off = np.asarray(mix.offsets, dtype=np.int64)
     if epoch == mix.ref_epoch:
         return off
-    first = blend(mix.weights, mix.epoch_samples - mix.mix_base)[2]
-    full = blend(mix.weights, mix.epoch_samples)[2]
-    return off + first + (epoch - mix.ref_epoch - 1) * full
+    k, w = mix.k, mix.weights[:mix.k]
+    first = blend(w, mix.epoch_samples - mix.mix_base)[2]
+    full = blend(w, mix.epoch_samples)[2]
+    out = off.copy()
+    out[:k] += first + (epoch - mix.ref_epoch - 1) * full
+    return out
 
 
 def consumed(mix: Mixture, order: np.ndarray) -> np.ndarray:
@@ -117,7 +121,7 @@ def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray
     if epoch == mix.ref_epoch and mix.mix_base:
         slots = positions - np.searchsorted(done, positions)   # rank among the unconsumed
         size -= mix.mix_base
-    index, draw, _ = blend(mix.weights, size)
+    index, draw, _ = blend(mix.weights[:mix.k], size)
     src = index[slots].astype(np.int64)
     return src, offsets_at(mix, epoch)[src] + draw[slots]
 
@@ -148,20 +152,25 @@ def remixed(old: Mixture, new: Mixture, *, epoch: int, base: int) -> Mixture:
     """The position of `new`'s mixture resumed where `old`'s stood: blending from `base` of
     `epoch`'s global order (the epoch's first position when `epoch` is past the old one's
     last), every source's counter past all the draws the old mixture assigned up to the end
-    of the epoch the old cursor stood in; a source new to the mixture starts at 0."""
+    of the epoch the old cursor stood in. A source new to the mixture starts at 0; one the old
+    position had dropped goes on from its kept counter; one the new mixture drops is kept
+    (after the mixed ones, weight 0) for a later remix that mixes it in again."""
     stood = epoch if base else epoch - 1          # the last epoch the old mixture assigned draws in
     after = offsets_at(old, stood + 1)
     by_name = dict(zip(old.names, after.tolist()))
-    return Mixture(names=new.names, fingerprints=new.fingerprints, weights=new.weights,
-                   offsets=tuple(by_name.get(n, 0) for n in new.names), epoch_samples=new.epoch_samples,
-                   ref_epoch=epoch, mix_base=base)
+    fp_of = dict(zip(old.names, old.fingerprints))
+    kept = [n for n in old.names if n not in new.names]
+    return Mixture(names=(*new.names, *kept), fingerprints=(*new.fingerprints, *(fp_of[n] for n in kept)),
+                   weights=(*new.weights, *(0.0 for _ in kept)),
+                   offsets=tuple(by_name.get(n, 0) for n in (*new.names, *kept)), epoch_samples=new.epoch_samples,
+                   ref_epoch=epoch, mix_base=base, active=len(new.names) if kept else 0)
 
 
 def counts(mix: Mixture, epoch: int) -> dict[str, int]:
     """Positions each source fills in `epoch` (the whole epoch: after a remix, those consumed
     before it counted under the old mixture are not known here)."""
     size = mix.epoch_samples - (mix.mix_base if epoch == mix.ref_epoch else 0)
-    return dict(zip(mix.names, blend(mix.weights, size)[2].tolist()))
+    return dict(zip(mix.names, blend(mix.weights[:mix.k], size)[2].tolist()))
 
 
 __all__ = ["normalized", "blend", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",

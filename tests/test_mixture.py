@@ -456,3 +456,24 @@ def test_a_region_file_names_several_sources(corpora, tmp_path):
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_found_by_the_outside_review_names_sizes_and_numpy_numbers(corpora, mixfeeder, tmp_path, monkeypatch):
+    """An epoch_samples too large to materialize is INVALID_ARGUMENT at once (it was INTERNAL,
+    retried); any printable source name without = or / is a name; a single existing directory
+    whose name holds "=" (Hive style) is still one unnamed source; numpy's scalars are numbers."""
+    import numpy as np
+
+    from feeder.config import named_sources
+
+    with pytest.raises(FeederError) as e:
+        take(ds(mixfeeder, "huge", 1, 0, {"web": 1, "code": 1}, epoch_samples=10**12, retry_for_s=3))
+    assert e.value.code == Code.INVALID_ARGUMENT and "epoch_samples must be at most" in str(e.value)
+    assert named_sources(["日本語=/x", "a b=/y"]) == {"sources": (("日本語", "/x"), ("a b", "/y"))}
+    hive = tmp_path / "date=2024-01-01"
+    hive.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert named_sources(["date=2024-01-01"]) == {"source": "date=2024-01-01"}
+    got = take(ds(mixfeeder, "numpy", 1, 0, {"web": np.float32(0.7), "code": np.float64(0.3)},
+                  epoch_samples=np.int64(50)))
+    assert sum(len(p) for _, _, p, _, _ in got) == 50

@@ -536,3 +536,18 @@ def test_remixes_and_reshards_in_any_order_deliver_each_position_once_and_only_r
     sizes = dict(zip(case["names"] + ["new"], case["sizes"] + [7]))
     assert all(0 <= i < list(sizes.values())[d] for _, (d, i) in delivered)
     assert run() == (delivered, dealings, positions, slack)
+
+
+def test_a_source_dropped_by_a_remix_and_mixed_in_again_goes_on_where_it_stood():
+    """Found by the outside review of mixtures: web+code, then web alone, then web+code again.
+    The re-added source started at its first draw again, so samples consumed before it was
+    dropped came back within the same pass over it. A dropped source now keeps its counter."""
+    case = dict(names=["s0", "s1"], sizes=[50, 50], weights=[1.0, 1.0], n=60, world=1, drop_last=False,
+                shuffle=True, seed=7, mb=5, epoch=0, epochs=1)
+    first = _mixture_batches(_mixture_plan(case, 0))[:2]
+    alone = _mixture_batches(_mixture_plan(case, 0, weights=[1.0], names=["s0"], cursor=first[-1][3], remix=True))[:2]
+    again = _mixture_batches(_mixture_plan(case, 0, weights=[1.0, 1.0], names=["s0", "s1"], cursor=alone[-1][3],
+                                           remix=True))
+    s1 = [i for b in first + alone + again for d, i in b[2] if d == 1]
+    assert 0 < len(s1) < 50 and len(set(s1)) == len(s1), f"code repeated {len(s1) - len(set(s1))} samples early"
+    assert again[0][3].src.offsets[1] == 30   # all 30 draws its first mixture assigned in epoch 0 skipped

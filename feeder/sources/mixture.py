@@ -122,12 +122,13 @@ class MixturePlan:
                 raise FailedPrecondition(
                     f"cursor does not fit this stream: source {name!r} has another fingerprint here: the cursor "
                     f"has {theirs[name]}, this feeder's {fp}", elsewhere=True)
-        if (old.names, old.weights) == (want.names, want.weights):
+        mixed = (old.names[:old.k], old.weights[:old.k])
+        if mixed == (want.names, want.weights):
             return c, old, None
         if not self.spec.remix:
             raise FailedPrecondition(
                 f"cursor does not fit this stream: mixture differs: the cursor has "
-                f"{shown_mixture(old.names, old.weights)}, the request has {shown_mixture(want.names, want.weights)}"
+                f"{shown_mixture(*mixed)}, the request has {shown_mixture(want.names, want.weights)}"
                 " (set remix to continue under the new mixture)")
         # A remix re-deals the epoch's unconsumed positions from where reshard would.
         s, n = self.spec, want.epoch_samples

@@ -122,16 +122,23 @@ def test_megatron_cores_own_blending_agrees_where_it_installs():
         from megatron.core.datasets import helpers_cpp
     except Exception:   # noqa: BLE001 - not installed, or its C++ helper not built on this machine
         helpers_cpp = None
-    weights, size = [0.5, 0.3, 0.2], 5000
-    index, draw, _ = mx.blend(mx.normalized(weights), size)
-    if helpers_cpp is None:
-        print("megatron-core not importable here: checked against the transcription only")
-        assert (index.tolist(), draw.tolist()) == megatron_blend(weights, size)
-        return
-    di = np.zeros(size, dtype=np.int16)
-    dsi = np.zeros(size, dtype=np.int64)
-    helpers_cpp.build_blending_indices(di, dsi, np.array(mx.normalized(weights)), len(weights), size, False)
-    assert (index == di).all() and (draw == dsi).all()
+    rng = random.Random(1)
+    cases = [([0.5, 0.3, 0.2], 5000), ([0.7, 0.3], 2849), ([1, 1], 999), ([3, 0, 1], 777), ([1e-3, 1, 5], 4000)]
+    cases += [([rng.random() for _ in range(rng.randint(1, 8))], rng.randint(1, 20000)) for _ in range(10)]
+    for weights, size in cases:
+        index, draw, _ = mx.blend(mx.normalized(weights), size)
+        if helpers_cpp is None:
+            print("megatron-core not importable here: checked against the transcription only")
+            assert (index.tolist(), draw.tolist()) == megatron_blend(weights, size)
+            continue
+        # megatron-core's own normalize() and C++ blending (what its BlendedDataset runs)
+        di = np.zeros(size, dtype=np.int16)
+        dsi = np.zeros(size, dtype=np.int64)
+        from megatron.core.datasets.utils import normalize
+
+        assert tuple(normalize(weights)) == mx.normalized(weights)
+        helpers_cpp.build_blending_indices(di, dsi, np.array(normalize(weights)), len(weights), size, False)
+        assert (index == di).all() and (draw == dsi).all(), weights
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])

@@ -49,6 +49,8 @@ def table(r: dict) -> str:
 
     if r["config"].get("only") == "formats":
         return "\n".join(f"{k:<30} {v}" for k, v in _format_rows(r))
+    if r["config"].get("only") == "mixture":
+        return "\n".join(f"{k:<30} {v}" for k, v in _mixture_rows(r))
 
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
@@ -76,10 +78,7 @@ def table(r: dict) -> str:
         ("feeder_rss_mb (64 ranks)", f"{r['feeder_rss_mb']:.0f} MB"),
         ("max_streams", f"{r['max_streams']} of {r['max_streams_tried']}"),
         *[row for key in ("scaling", "scaling_h2", "scaling_discard") for row in _scaling_rows(r[key])],
-        *([("mixture_tokens_s", f"{r['mixture']['mixture_tokens_s'] / 1e6:,.1f} M tok/s, {r['mixture']['sources']} "
-                                f"sources, {r['mixture']['ratio']:.2f}x one source's "
-                                f"{r['mixture']['single_tokens_s'] / 1e6:,.1f} (same feeder, interleaved rounds)")]
-          if "mixture" in r else []),
+        *_mixture_rows(r),
         ("  with decoding clients", f"{r['scaling_decoding_clients']['1'] / 1e6:,.1f} -> "
                                     f"{r['scaling_decoding_clients']['2'] / 1e6:,.1f} M tok/s"),
     ]
@@ -169,3 +168,14 @@ def machine() -> dict:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor(),
             "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "maxrss_mb_bench": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _mixture_rows(r: dict) -> list[tuple[str, str]]:
+    """Issue 18's figure: a mixture of 3 sources against one source, same feeder and rounds."""
+    if "mixture" not in r:
+        return []
+    m = r["mixture"]
+    return [("mixture_tokens_s", f"{m['mixture_tokens_s'] / 1e6:,.1f} M tok/s, {m['sources']} sources, "
+                                 f"{m['ratio']:.2f}x one source's {m['single_tokens_s'] / 1e6:,.1f} (same feeder, "
+                                 f"interleaved rounds: {', '.join(f'{x / 1e6:,.0f}' for x in m['rounds']['mixture'])} vs "
+                                 f"{', '.join(f'{x / 1e6:,.0f}' for x in m['rounds']['single'])})")]

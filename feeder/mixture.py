@@ -111,8 +111,8 @@ def consumed(mix: Mixture, order: np.ndarray) -> np.ndarray:
     return np.sort(order[:mix.mix_base])
 
 
-def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
+def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray | None = None, *,
+               clip: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(source index, draw number) of each position of `epoch`. In ref_epoch after a remix,
     `done` is `consumed(mix, that epoch's order)`: the blending's slots skip those positions."""
     positions = np.asarray(positions, dtype=np.int64)
@@ -121,6 +121,8 @@ def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray
     if epoch == mix.ref_epoch and mix.mix_base:
         slots = positions - np.searchsorted(done, positions)   # rank among the unconsumed
         size -= mix.mix_base
+        if clip:   # (a consumed position past the last unconsumed one: never served)
+            slots = np.minimum(slots, max(size - 1, 0))
     index, draw, _ = blend(mix.weights[:mix.k], size)
     src = index[slots].astype(np.int64)
     return src, offsets_at(mix, epoch)[src] + draw[slots]
@@ -173,5 +175,40 @@ def counts(mix: Mixture, epoch: int) -> dict[str, int]:
     return dict(zip(mix.names, blend(mix.weights[:mix.k], size)[2].tolist()))
 
 
-__all__ = ["normalized", "blend", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",
+# Epochs of up to this many positions get a fill table (16 bytes a position); larger ones are
+# filled run by run (sources_of, sample_ids), which costs more CPU and no memory.
+FILL_TABLE_MAX = 1 << 24
+_FILL_CACHE: "OrderedDict[tuple, tuple[np.ndarray, np.ndarray]]" = OrderedDict()
+_FILL_LOCK = threading.Lock()
+_FILL_BYTES = 256 << 20
+
+
+def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffle: bool
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(source int64 [N], id int64 [N]): what fills each position of `epoch`, as sources_of and
+    sample_ids give it, for every position at once. Cached (every rank of a job shares one), so
+    a run of batches costs two takes instead of a pass per source. Positions a remix found
+    consumed hold a value that is never served."""
+    key = (mix, epoch, sizes, seed, shuffle)
+    with _FILL_LOCK:
+        hit = _FILL_CACHE.get(key)
+        if hit is not None:
+            _FILL_CACHE.move_to_end(key)
+            return hit
+    positions = np.arange(mix.epoch_samples, dtype=np.int64)
+    done = None
+    if epoch == mix.ref_epoch and mix.mix_base:
+        done = consumed(mix, sampler.epoch_order(mix.epoch_samples, seed, epoch, shuffle))
+    src, draws = sources_of(mix, epoch, positions, done, clip=True)
+    ids = sample_ids(mix, sizes, src, draws, seed=seed, shuffle=shuffle)
+    for a in (src, ids):
+        a.setflags(write=False)
+    with _FILL_LOCK:
+        _FILL_CACHE[key] = (src, ids)
+        while len(_FILL_CACHE) > 2 and sum(a.nbytes + b.nbytes for a, b in _FILL_CACHE.values()) > _FILL_BYTES:
+            _FILL_CACHE.popitem(last=False)
+    return src, ids
+
+
+__all__ = ["normalized", "fills", "blend", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",
            "remixed", "counts"]

@@ -551,3 +551,38 @@ def test_a_source_dropped_by_a_remix_and_mixed_in_again_goes_on_where_it_stood()
     s1 = [i for b in first + alone + again for d, i in b[2] if d == 1]
     assert 0 < len(s1) < 50 and len(set(s1)) == len(s1), f"code repeated {len(s1) - len(set(s1))} samples early"
     assert again[0][3].src.offsets[1] == 30   # all 30 draws its first mixture assigned in epoch 0 skipped
+
+
+@_examples(60)
+@given(case=mixture_cases(), changes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8), st.booleans(),
+                                                        st.sampled_from([0.1, 1.0, 4.0])), max_size=2))
+def test_a_mixtures_fill_table_and_its_run_by_run_fill_agree(case, changes):
+    """Epochs up to FILL_TABLE_MAX positions are filled from a table per epoch, larger ones run
+    by run: both give the same batches, through remixes too."""
+    from feeder import mixture as mx
+
+    def all_batches():
+        out, cursors, names, weights, world = [], None, case["names"], case["weights"], case["world"]
+        for k, new_world, add, w in [*changes, (None, None, None, None)]:
+            if case["drop_last"] and world > case["n"]:
+                world = case["n"]
+            got = [_mixture_batches(_mixture_plan(case, r, world=world, weights=weights, names=names,
+                                                  cursor=None if cursors is None else cursors[r % len(cursors)],
+                                                  remix=cursors is not None)) for r in range(world)]
+            take = len(got[0]) if k is None else min(k, len(got[0]))
+            out += [b[:3] for g in got for b in g[:take]]
+            if k is None:
+                break
+            if take:
+                cursors = [g[take - 1][3] for g in got]
+            world, names = new_world, case["names"] + (["new"] if add else [])
+            weights = [*case["weights"], w][:len(names)]
+        return out
+
+    table = all_batches()
+    saved = mx.FILL_TABLE_MAX
+    try:
+        mx.FILL_TABLE_MAX = 0
+        assert all_batches() == table
+    finally:
+        mx.FILL_TABLE_MAX = saved

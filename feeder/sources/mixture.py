@@ -145,10 +145,14 @@ class MixturePlan:
     def runs(self, max_batches: int = 64) -> Iterator[PlannedRun]:
         s, mix, done = self.spec, self.mix, None
         for run in self.inner.runs(max_batches):
-            if run.epoch == mix.ref_epoch and mix.mix_base and done is None:   # once per stream
-                done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle))
-            src, draws = mx.sources_of(mix, run.epoch, run.ids, done)
-            ids = mx.sample_ids(self.mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle)
+            if self.n <= mx.FILL_TABLE_MAX:   # the epoch's table, shared by the job's ranks: two takes
+                src, ids = mx.fills(mix, run.epoch, self.sizes, seed=s.seed, shuffle=s.shuffle)
+                src, ids = src[run.ids], ids[run.ids]
+            else:
+                if run.epoch == mix.ref_epoch and mix.mix_base and done is None:   # once per stream
+                    done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle))
+                src, draws = mx.sources_of(mix, run.epoch, run.ids, done)
+                ids = mx.sample_ids(mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle)
             yield dataclasses.replace(run, ids=ids, sources=src, positions=run.ids)
 
     def locate(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Rows:

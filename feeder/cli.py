@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from feeder.config import named_sources
+from feeder.cli_serve import add_format_flags, add_serve
 from feeder.errors import FeederError
 
 EXIT_USER = 2
@@ -34,88 +34,6 @@ def cmd_publish(args) -> int:
     r = publish(cfg)
     print(f"published {r['records']:,} records to {r['topic']} ({r['partitions']} partitions, vocab "
           f"{r['vocab_size']}, eos {r['eos_id']})")
-    return 0
-
-
-# serve flag -> ServeConfig field. Flags default to None so that a region file (--config)
-# fills what the command line leaves out, and the command line wins where both speak.
-SERVE_FLAGS = {"listen": "listen", "region": "region",
-               "prefetch_messages": "prefetch_messages", "prefetch_bytes": "prefetch_bytes",
-               "message_bytes": "message_bytes", "compression": "default_compression",
-               "compression_level": "default_level", "threads": "threads", "grace": "grace_s",
-               "vocab_size": "vocab_size", "eos_id": "eos_id", "log_format": "log_format", "ledger": "ledger",
-               "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
-               "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
-               "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
-               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index"}
-
-
-def serve_config(args):
-    from feeder.config import ServeConfig
-    from feeder.errors import InvalidArgument
-
-    values: dict = {}
-    if args.config:
-        from feeder.regions import load_region
-
-        values = load_region(args.config)
-    if isinstance(values.get("source"), list):   # a region file's list of NAME=DATASET
-        values.update(named_sources(values.pop("source")))
-    for flag, field in SERVE_FLAGS.items():
-        v = getattr(args, flag)
-        if v is not None:
-            values[field] = v
-    if args.source is not None:
-        values.pop("source", None)
-        values.pop("sources", None)
-        values.update(named_sources(args.source))
-    if args.peers is not None:
-        pairs = [p.partition("=") for p in args.peers.split(",") if p]
-        if not all(sep and name and addr for name, sep, addr in pairs):
-            raise InvalidArgument(f"--peers must be REGION=HOST:PORT,..., got {args.peers!r}")
-        values["peers"] = tuple(sorted((name, addr) for name, _, addr in pairs))
-    secret_file = args.cursor_secret_file or values.pop("cursor_secret_file", None)
-    if secret_file:
-        try:
-            with open(secret_file, "rb") as f:
-                values["cursor_secret"] = f.read().strip()
-        except OSError as e:
-            raise InvalidArgument(f"cannot read the cursor secret {secret_file}: {e.strerror}") from None
-    else:
-        values["cursor_secret"] = os.environ.get("FEEDER_CURSOR_SECRET", "").encode()
-    if "source" not in values and "sources" not in values:
-        raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... (or NAME=DIR|URL, repeated) or a "
-                              "--config region file with source = ...")
-    cfg = ServeConfig(**values)
-    if args.metrics_port is not None:  # on the listen host unless told otherwise
-        host = args.metrics_host or cfg.listen.rpartition(":")[0]
-        cfg = cfg.replace(metrics_listen=f"{host}:{args.metrics_port}")
-    return cfg
-
-
-def cmd_serve(args) -> int:
-    from feeder import logs
-    from feeder.malloc import keep_freed_memory
-    from feeder.service.server import new_loop, serve_forever
-
-    cfg = serve_config(args)
-    logs.setup(cfg.log_format, process=cfg.process_index if cfg.sibling_dir else None)
-    if cfg.processes > 1:
-        from feeder.supervise import supervise
-
-        return supervise(cfg, args.argv)
-
-    def ready(server):
-        print(f"feeder region={cfg.region} listening on {server.address}", flush=True)
-        if server.metrics_address:
-            print(f"metrics on {server.metrics_address}", flush=True)
-
-    keep_freed_memory()
-    loop = new_loop()
-    try:
-        loop.run_until_complete(serve_forever(cfg, ready))
-    finally:
-        loop.close()
     return 0
 
 
@@ -280,69 +198,6 @@ def _add_publish(sub) -> None:
     s.set_defaults(fn=cmd_publish)
 
 
-def _add_serve(sub) -> None:
-    s = sub.add_parser("serve", help="serve a dataset to training ranks",
-                       description="Serve a dataset (a `feeder prep` directory, Parquet token files, or a Kafka "
-                                   "topic) to training ranks over gRPC until SIGTERM or SIGINT, then drain streams"
-                                   " for --grace seconds. Settings come from --config (a region file) and the "
-                                   "flags, which win. Reads the dataset, TLS files and tokens file; never writes "
-                                   "to the dataset; appends to --ledger when given. Prints `feeder region=R "
-                                   "listening on HOST:PORT` once it accepts streams. Exit 0 after a clean stop; 2,"
-                                   " with one line, for a bad setting or dataset.")
-    s.add_argument("--config", help="region file (TOML, e.g. deploy/regions/us-east.toml); flags override it")
-    s.add_argument("--source", action="append", help="dataset directory (manifest.json, or Parquet token files), "
-                   "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]; several as "
-                   "NAME=DIR|URL, the flag repeated (streams ask for one by name, or for a mixture; the first "
-                   "is the default)")
-    s.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:7070; port 0: any free port). Beyond "
-                   "loopback it needs --tls-cert/--tls-key, or --insecure")
-    s.add_argument("--region", help="this feeder's region name (default local)")
-    s.add_argument("--peers", help="the other regions' feeders, told to clients by Info: REGION=HOST:PORT,...")
-    s.add_argument("--prefetch-messages", type=int, help="messages queued ahead per stream (default 8)")
-    s.add_argument("--prefetch-bytes", type=int, help="bytes queued ahead per stream (default 32 MiB)")
-    s.add_argument("--message-bytes", type=int, help="target size of one stream message (default 1 MiB)")
-    s.add_argument("--compression", choices=["zstd", "none"],
-                   help="for streams that do not choose (default zstd; remote ranks always get zstd)")
-    s.add_argument("--compression-level", type=int, help="zstd level (default 3)")
-    s.add_argument("--remote-rtt-ms", type=float, help="a rank this far (measured RTT) is remote (default 5)")
-    s.add_argument("--threads", type=int, help="batch-building threads (default 4)")
-    s.add_argument("--processes", type=int, help="feeder processes on this one port (default 1): one process is "
-                   "bound by its GIL, a host with more cores serves more with more; any one of them answers "
-                   "`feeder status` for all, each serves metrics on --metrics-port plus its index")
-    # Set by `--processes N` for the processes it starts.
-    s.add_argument("--reuse-port", action="store_true", default=None,
-                   help="share the port with feeder processes started separately (SO_REUSEPORT); without it a "
-                        "port that is taken, by a feeder too, is an error")
-    s.add_argument("--sibling-dir", help=argparse.SUPPRESS)
-    s.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
-    s.add_argument("--cursor-secret-file", help="file with the deployment's cursor secret "
-                   "(or env FEEDER_CURSOR_SECRET); all feeders of a deployment share it")
-    s.add_argument("--grace", type=float, help="seconds to drain streams on SIGTERM (default 10)")
-    s.add_argument("--vocab-size", type=int, help="datasets without manifest.json that do not record it (Parquet, "
-                   "Megatron, HF, MDS, nanoGPT)")
-    s.add_argument("--eos-id", type=int, help="with --vocab-size")
-    _add_format_flags(s)
-    s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
-    s.add_argument("--log-format", choices=["text", "json"])
-    s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
-    s.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
-    s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")
-    s.add_argument("--tls-cert", help="PEM certificate chain of this feeder (TLS; reloaded when it changes)")
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", help="mutual TLS: require client certificates signed by this CA")
-    s.add_argument("--tokens-file", help="per-job bearer tokens (TOML; see `feeder token`); reloaded when it changes")
-    s.add_argument("--insecure", action="store_const", const=True, default=None,
-                   help="allow plain text on a listener beyond loopback (a warning is logged)")
-    s.set_defaults(fn=cmd_serve)
-
-
-def _add_format_flags(s) -> None:
-    s.add_argument("--column", help="the token column of a Hugging Face or MDS dataset (default input_ids)")
-    s.add_argument("--dtype", choices=["uint16", "uint32", "int32", "int64"],
-                   help="the token width of a nanoGPT .bin (uint16|uint32, default uint16) or an MDS bytes column")
-
-
 def cmd_index(args) -> int:
     from feeder.sources.formats import Options
     from feeder.sources.formats.sidecar import index
@@ -363,7 +218,7 @@ def _add_index(sub) -> None:
                    "then `feeder serve --index DIR`")
     s.add_argument("--vocab-size", type=int)
     s.add_argument("--eos-id", type=int)
-    _add_format_flags(s)
+    add_format_flags(s)
     s.add_argument("--chunk-tokens", type=int, default=0,
                    help="tokens per checked chunk of a memory-mapped file (default 16Mi)")
     s.add_argument("--workers", type=int, default=0, help="hashing threads (default: the cores, at most 8)")
@@ -449,7 +304,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     _add_prep(sub)
     _add_publish(sub)
-    _add_serve(sub)
+    add_serve(sub)
     _add_index(sub)
     _add_token(sub)
     _add_certs(sub)

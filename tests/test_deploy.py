@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from feeder.cli import build_parser, serve_config
+from feeder.cli import build_parser
+from feeder.cli_serve import serve_config
 from feeder.config import ServeConfig
 from feeder.errors import InvalidArgument
 from feeder.regions import load_region

@@ -76,6 +76,17 @@ def check_batches(batches, stream: np.ndarray, seq_len: int, want: list[int]) ->
             np.testing.assert_array_equal(row, sample(stream, i, seq_len))
 
 
+def refused(r: subprocess.CompletedProcess, *words: str) -> str:
+    """The run was refused as a user's mistake: exit 2, one line naming what was wrong."""
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
 class FeederProc:
     """A `feeder serve` subprocess on a fixed port, so a restart keeps its address."""
 

@@ -22,7 +22,7 @@ from feeder_client import FeederDataset
 from feeder.errors import InvalidArgument
 from feeder.security import token_hash
 from feeder.v1 import feeder_pb2 as pb
-from tests.helpers import FeederProc, make_docs, write_jsonl
+from tests.helpers import FeederProc, make_docs, refused, write_jsonl
 
 FEEDER = [sys.executable, "-m", "feeder.cli"]
 MAX_STATUS_MESSAGE = 2048   # what the servicer promises (feeder.service.servicer), restated as the contract
@@ -31,17 +31,6 @@ MAX_STATUS_MESSAGE = 2048   # what the servicer promises (feeder.service.service
 def prep(*args) -> subprocess.CompletedProcess:
     return subprocess.run([*FEEDER, "prep", *map(str, args), "--workers", "1", "--quiet"],
                           capture_output=True, text=True, timeout=120)
-
-
-def refused(r: subprocess.CompletedProcess, *words: str) -> str:
-    """The run was refused as a user's mistake: exit 2, one line naming what was wrong."""
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def tokens_of(out: Path) -> list[int]:

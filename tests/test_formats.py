@@ -22,7 +22,7 @@ from feeder.service.server import ServerThread
 from feeder.sources.posix import open_source
 from feeder_client import FeederDataset
 from tests import format_writers as W
-from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs
+from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, refused
 
 VOCAB = ["--vocab-size", "257", "--eos-id", "256"]     # the byte tokenizer's
 SEQ, SEED = 16, 5
@@ -187,16 +187,6 @@ def test_sigkilled_feeder_fails_over_to_a_feeder_reading_a_copy(fmt, corpora, tm
 
 
 # ---- bad input: exit 2 with one line at start, or DATA_LOSS naming the file while serving ----
-
-def refused(r: subprocess.CompletedProcess, *words: str) -> str:
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
-
 
 def serve_refused(source, *flags):
     return run("serve", "--source", source, "--listen", "127.0.0.1:0", *flags)

@@ -168,13 +168,6 @@ def remixed(old: Mixture, new: Mixture, *, epoch: int, base: int) -> Mixture:
                    ref_epoch=epoch, mix_base=base, active=len(new.names) if kept else 0)
 
 
-def counts(mix: Mixture, epoch: int) -> dict[str, int]:
-    """Positions each source fills in `epoch` (the whole epoch: after a remix, those consumed
-    before it counted under the old mixture are not known here)."""
-    size = mix.epoch_samples - (mix.mix_base if epoch == mix.ref_epoch else 0)
-    return dict(zip(mix.names, blend(mix.weights[:mix.k], size)[2].tolist()))
-
-
 # Epochs of up to this many positions get a fill table (16 bytes a position); larger ones are
 # filled run by run (sources_of, sample_ids), which costs more CPU and no memory.
 FILL_TABLE_MAX = 1 << 24
@@ -211,4 +204,4 @@ def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffl
 
 
 __all__ = ["normalized", "fills", "blend", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",
-           "remixed", "counts"]
+           "remixed"]

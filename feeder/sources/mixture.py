@@ -95,20 +95,20 @@ class MixturePlan:
         # from epoch 0 draws.
         want = Mixture(names=src.names, fingerprints=src.fingerprints, weights=src.weights,
                        offsets=(0,) * len(src.names), epoch_samples=n, ref_epoch=0, mix_base=0)
-        start = None
-        if cursor is not None:
-            cursor, self.mix, start = self._resume(cursor, want)
-        else:
-            self.mix = want
-        # A remix re-deals as reshard does, so the cursor may name another world size.
-        inner = dataclasses.replace(spec, reshard=True) if start is not None else spec
-        self.inner = StreamPlan(inner, n_tokens=n * spec.seq_len + 1, fingerprint=src.fingerprint, cursor=cursor,
-                                src=self.mix)
-        self.start = self.inner.start = start or self.inner.start
+        self.mix, remix = (want, False) if cursor is None else self._resume(cursor, want)
+        if remix:   # the cursor's fingerprint is the old mixture's; each source's was checked above
+            cursor = dataclasses.replace(cursor, fingerprint=src.fingerprint)
+        # A remix re-deals as reshard does, so the cursor may name another world size (and the
+        # plan checks the rest of the cursor before the re-deal below reads its fields).
+        self.inner = StreamPlan(dataclasses.replace(spec, reshard=True) if remix else spec,
+                                n_tokens=n * spec.seq_len + 1, fingerprint=src.fingerprint, cursor=cursor, src=self.mix)
+        if remix:
+            self.mix, self.inner.start = self._remix(cursor, cursor.src, want)
+            self.inner.src = self.mix
+        self.start = self.inner.start
 
-    def _resume(self, c: Cursor, want: Mixture) -> tuple[Cursor, Mixture, Start | None]:
-        """The cursor to check the stream against, the mixture position it resumes, and the
-        start of a remix (None: the cursor's own place)."""
+    def _resume(self, c: Cursor, want: Mixture) -> tuple[Mixture, bool]:
+        """The mixture position a cursor resumes, and whether the stream remixes from it."""
         old = c.src
         if type(old) is not Mixture:
             raise FailedPrecondition("cursor does not fit this stream: it was written for one dataset, "
@@ -124,23 +124,24 @@ class MixturePlan:
                     f"has {theirs[name]}, this feeder's {fp}", elsewhere=True)
         mixed = (old.names[:old.k], old.weights[:old.k])
         if mixed == (want.names, want.weights):
-            return c, old, None
+            return old, False
         if not self.spec.remix:
             raise FailedPrecondition(
                 f"cursor does not fit this stream: mixture differs: the cursor has "
                 f"{shown_mixture(*mixed)}, the request has {shown_mixture(want.names, want.weights)}"
                 " (set remix to continue under the new mixture)")
-        # A remix re-deals the epoch's unconsumed positions from where reshard would.
+        return want, True
+
+    def _remix(self, c: Cursor, old: Mixture, want: Mixture) -> tuple[Mixture, Start]:
+        """The position and start of a remix: the epoch's unconsumed positions are re-dealt from
+        where reshard would re-deal them."""
         s, n = self.spec, want.epoch_samples
-        c = dataclasses.replace(c, fingerprint=self.src.fingerprint)
-        StreamPlan(dataclasses.replace(s, reshard=True), n_tokens=n * s.seq_len + 1,
-                   fingerprint=self.src.fingerprint, cursor=c)   # checks the rest of the cursor
         if c.pos >= sampler.per_rank(n - c.base, c.world_size, s.drop_last):
-            mix = mx.remixed(old, want, epoch=c.epoch + 1, base=0)
-            return c, mix, Start(epoch=c.epoch + 1, base=0, world=s.world_size, pos=0, step=0)
+            return (mx.remixed(old, want, epoch=c.epoch + 1, base=0),
+                    Start(epoch=c.epoch + 1, base=0, world=s.world_size, pos=0, step=0))
         base = sampler.reshard_base(n=n, base=c.base, world=c.world_size, pos=c.pos)
-        mix = mx.remixed(old, want, epoch=c.epoch, base=base)
-        return c, mix, Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
+        return mx.remixed(old, want, epoch=c.epoch, base=base), Start(epoch=c.epoch, base=base, world=s.world_size,
+                                                                      pos=0, step=c.step)
 
     def runs(self, max_batches: int = 64) -> Iterator[PlannedRun]:
         s, mix, done = self.spec, self.mix, None

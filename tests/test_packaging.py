@@ -115,7 +115,9 @@ def test_feeder_finds_bench_through_the_entry_point_group(monkeypatch, capsys):
         raise AssertionError("a built-in command read the entry points")
 
     monkeypatch.setattr(importlib.metadata, "entry_points", no_reading)
-    assert cli.build_parser(["serve"]).parse_args(["serve", "--source", "x"]).fn is cli.cmd_serve
+    from feeder.cli_serve import cmd_serve
+
+    assert cli.build_parser(["serve"]).parse_args(["serve", "--source", "x"]).fn is cmd_serve
 
 
 def test_a_serving_feeder_process_never_loads_torch(dataset):

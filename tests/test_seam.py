@@ -116,6 +116,35 @@ def test_a_new_source_is_served_exactly_through_the_seam_alone():
     assert mem.closed   # the engine closed it with the server
 
 
+def test_a_mixture_of_sources_that_only_locate_rows_is_served_exactly():
+    """Two ArraySources (no chunk table: the mixture asks each where its rows lie and merges
+    them) through a real server and client: every sample is its source's own tokens, and the
+    sources tell which filled each position. Sources on files take the joined table instead
+    (test_mixture checks their content)."""
+    from feeder_client.stream import ClientConfig, FeederClient
+
+    from feeder.sources import ChunkTable
+
+    rng = np.random.default_rng(4)
+    arrays = {"a": rng.integers(1, 60000, 900, dtype=np.uint16), "b": rng.integers(1, 60000, 400, dtype=np.uint16)}
+    mems = {name: ArraySource(t, name=name) for name, t in arrays.items()}
+    assert not any(isinstance(m, ChunkTable) for m in mems.values())
+    srv = ServerThread(ServeConfig(source="unused", listen="127.0.0.1:0", message_bytes=256), sources=mems)
+    try:
+        seen = set()
+        for rank in range(SPEC.world_size):
+            spec = StreamSpec(**{**SPEC.__dict__, "rank": rank, "job": "seam-mix", "mixture": (("a", 3.0), ("b", 1.0))})
+            c = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, retry_for_s=10))
+            for b in c:
+                for d, i, row in zip(b.sources.tolist(), b.sample_ids.tolist(), b.tokens.numpy()):
+                    assert np.array_equal(row, arrays["ab"[d]][i * 8:i * 8 + 9])
+                    seen.add(d)
+            c.close()
+        assert seen == {0, 1}
+    finally:
+        srv.stop()
+
+
 # Inside feeder, each layer imports only layers below it (ARCHITECTURE.md).
 CORE = {"sampler", "mixture", "sampling_key", "cursor", "planning", "rows", "config", "errors", "manifest", "v1"}
 LAYERS = [("core", CORE), ("sources", {"sources"}), ("pipeline", {"pipeline"}), ("domain", {"engine", "process_status"}),

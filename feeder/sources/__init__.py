@@ -84,4 +84,20 @@ class Source(Protocol):
         """The feeder is stopping: let go of clients and files."""
 
 
-__all__ = ["Plan", "Source", "Pending", "PlannedRun", "Start", "Rows"]
+@runtime_checkable
+class ChunkTable(Protocol):
+    """A source whose tokens lie in chunks it can hand out (a PosixSource, the formats): the
+    sources of a mixture that all are, are located as one table (feeder.sources.posix.locate_rows)."""
+
+    chunk_starts: np.ndarray   # int64 [chunks + 1]: chunk k covers tokens [chunk_starts[k], chunk_starts[k + 1])
+    n_tokens: int
+    dtype: np.dtype
+
+    def chunk(self, k: int) -> np.ndarray:
+        """Chunk k's tokens (may raise DataLoss)."""
+
+    def read(self, start: int, out: np.ndarray) -> None:
+        """Tokens [start, start + len(out)) into out, across chunks."""
+
+
+__all__ = ["ChunkTable", "Plan", "Source", "Pending", "PlannedRun", "Start", "Rows"]

@@ -52,7 +52,7 @@ class PosixSource:
                 self._where.append((si, ci))
                 starts.append(starts[-1] + chunk.n_tokens)
         self._starts = starts
-        self._starts_np = np.asarray(starts, dtype=np.int64)
+        self.chunk_starts = np.asarray(starts, dtype=np.int64)
         self._lock = threading.Lock()
         self._mapped: dict[int, np.ndarray] = {}     # verified Arrow chunks (views of the map)
         self._readers: dict[int, object] = {}
@@ -98,7 +98,7 @@ class PosixSource:
             return
         done = 0
         while done < n:
-            arr = self._chunk(k)
+            arr = self.chunk(k)
             off = start + done - self._starts[k]
             take = min(n - done, len(arr) - off)
             out[done:done + take] = arr[off:off + take]
@@ -106,33 +106,16 @@ class PosixSource:
             k += 1
 
     def locate(self, starts: np.ndarray, n: int) -> Rows:
-        """Where rows [starts[i], starts[i] + n) lie, without copying them: row i is
-        bufs[which[i]][offs[i]:offs[i] + n]. The buffers are the verified chunks (views of the
-        memory map, or decoded Parquet), plus one array holding the rare rows that cross a
-        chunk boundary, read here."""
-        starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) and (starts.min() < 0 or starts.max() + n > self.n_tokens):
-            bad = int(starts[(starts < 0) | (starts + n > self.n_tokens)][0])
-            raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {self.n_tokens}")
-        ks = np.searchsorted(self._starts_np, starts, side="right") - 1
-        chunks, which = np.unique(ks, return_inverse=True)   # a run touches few chunks; each loaded once
-        bufs = [self._chunk(int(k)) for k in chunks.tolist()]
-        offs = starts - self._starts_np[ks]
-        across = np.flatnonzero(starts + n > self._starts_np[ks + 1])
-        if len(across):
-            extra = np.empty((len(across), n), dtype=self.dtype)
-            for j, i in enumerate(across.tolist()):
-                self.read(int(starts[i]), extra[j])
-            which[across], offs[across] = len(bufs), np.arange(len(across), dtype=np.int64) * n
-            bufs.append(extra.reshape(-1))
-        return Rows(bufs, which.astype(np.int64, copy=False), offs, n)
+        """Where rows [starts[i], starts[i] + n) lie, without copying them (`locate_rows`)."""
+        return locate_rows(self, starts, n)
 
     def read_many(self, starts: np.ndarray, n: int) -> np.ndarray:
         """[len(starts), n] tokens, row i from starts[i]: one memcpy per row (no Python call
         per sample)."""
         return self.locate(starts, n).gather(self.dtype)
 
-    def _chunk(self, k: int) -> np.ndarray:
+    def chunk(self, k: int) -> np.ndarray:
+        """Chunk k's tokens, verified on first read (DataLoss if the shard cannot be served)."""
         arr = self._mapped.get(k)
         if arr is not None:
             return arr
@@ -250,6 +233,32 @@ def index_parquet(root: str | os.PathLike, *, vocab_size: int, eos_id: int,
     m = mf.Manifest(tokenizer={"kind": "external", "vocab_size": vocab_size, "eos_id": eos_id},
                     vocab_size=vocab_size, eos_id=eos_id, dtype=dtype.name, shards=tuple(shards))
     return m.with_fingerprint()
+
+
+def locate_rows(table, starts: np.ndarray, n: int) -> Rows:
+    """Where rows [starts[i], starts[i] + n) of a chunk table lie, without copying them: row i
+    is bufs[which[i]][offs[i]:offs[i] + n]. The buffers are the table's verified chunks (views
+    of the memory map, or decoded Parquet), plus one array holding the rare rows that cross a
+    chunk boundary, read here. A table is a PosixSource, or the sources of a mixture joined end
+    to end (feeder.sources.mixture.Joined): `chunk_starts` (chunk k covers tokens
+    [chunk_starts[k], chunk_starts[k + 1])), `chunk(k)`, `read(start, out)`, `n_tokens` and `dtype`."""
+    starts = np.asarray(starts, dtype=np.int64)
+    if len(starts) and (starts.min() < 0 or starts.max() + n > table.n_tokens):
+        bad = int(starts[(starts < 0) | (starts + n > table.n_tokens)][0])
+        raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {table.n_tokens}")
+    bounds = table.chunk_starts
+    ks = np.searchsorted(bounds, starts, side="right") - 1
+    chunks, which = np.unique(ks, return_inverse=True)   # a run touches few chunks; each loaded once
+    bufs = [table.chunk(k) for k in chunks.tolist()]
+    offs = starts - bounds[ks]
+    across = np.flatnonzero(starts + n > bounds[ks + 1])
+    if len(across):
+        extra = np.empty((len(across), n), dtype=table.dtype)
+        for j, i in enumerate(across.tolist()):
+            table.read(int(starts[i]), extra[j])
+        which[across], offs[across] = len(bufs), np.arange(len(across), dtype=np.int64) * n
+        bufs.append(extra.reshape(-1))
+    return Rows(bufs, which.astype(np.int64, copy=False), offs, n)
 
 
 def open_source(root: str, *, vocab_size: int = 0, eos_id: int = -1, name: str = "", column: str = "",

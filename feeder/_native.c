@@ -683,6 +683,44 @@ done:
     return out;
 }
 
+/* StreamReply.sources (field 3), a mixture's: one entry per batch, batch j's sources as int64
+ * (little-endian, as the ids are written), an empty batch an empty entry (a repeated field keeps
+ * it, so entry j stays batch j's). feeder/service/wire.py has the same in numpy. */
+static PyObject *sources_field(PyObject *self, PyObject *args) {
+    PyObject *src_o, *counts_o, *out = NULL;
+    if (!PyArg_ParseTuple(args, "OO", &src_o, &counts_o)) return NULL;
+    Py_buffer counts = {0}, src = {0};
+    if (PyObject_GetBuffer(counts_o, &counts, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t k = counts.len / 8;
+    const int64_t *cv = counts.buf;
+    int64_t samples = 0;
+    size_t total = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (cv[j] < 0) { PyErr_SetString(PyExc_ValueError, "sources: a negative count"); goto done; }
+        samples += cv[j];
+        total += 1 + varint_len(8 * (uint64_t)cv[j]) + 8 * (size_t)cv[j];
+    }
+    if (get_i64(src_o, &src, samples, "sources") < 0) goto done;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (!out) goto done;
+    {
+        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+        const unsigned char *from = src.buf;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            size_t n = 8 * (size_t)cv[j];
+            *o++ = (unsigned char)(3 << 3 | 2);
+            o = put_varint(o, n);
+            memcpy(o, from, n);
+            o += n;
+            from += n;
+        }
+    }
+done:
+    if (src.obj) PyBuffer_Release(&src);
+    PyBuffer_Release(&counts);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame", frame, METH_VARARGS,
      "frame(tokens, payloads, ids, counts, epochs, steps, cursors, sample_len, itemsize, dtype, compression, "
@@ -692,6 +730,7 @@ static PyMethodDef methods[] = {
     {"crc32c_soft", crc32c_soft_py, METH_VARARGS, "The same by table (the fallback without SSE4.2; for tests)."},
     {"cursors", cursors, METH_VARARGS,
      "cursors(key64, head, epoch, base, stops, first_step) -> [head | tail | HMAC-SHA256[:16]] per stop"},
+    {"sources", sources_field, METH_VARARGS, "sources(src i8[n], counts i8[k]) -> StreamReply.sources, entry j batch j's"},
     {"blend", blend, METH_VARARGS, "blend(weights f8[D], index i2[n] out, draw i8[n] out): Megatron's blending"},
     {NULL, NULL, 0, NULL}};
 

@@ -168,10 +168,11 @@ def test_the_c_writer_refuses_rows_that_do_not_match_the_counts():
         _native.frame(None, [b"x", b"y"], *args[2:], good)
 
 
-@pytest.mark.parametrize("counts", [[8, 8, 3], [1], [15, 16, 17], [20, 5, 2000, 7], [16] * 5])
+@pytest.mark.parametrize("counts", [[8, 8, 3], [1], [15, 16, 17], [20, 5, 2000, 7], [16] * 5, [0, 3, 0],
+                                    [2048, 1, 3000]])
 def test_a_mixtures_sources_follow_the_batches_in_both_writers(counts):
-    """StreamReply.sources: one entry per batch, written by one numpy pass (and after the C
-    writer's region by the C writer itself); protobuf parses the same lists from both."""
+    """StreamReply.sources: one entry per batch (an empty batch an empty entry), written in C or
+    by one numpy pass, the same bytes; protobuf parses the same lists from both writers."""
     import dataclasses
 
     b = block(counts, seed=len(counts))
@@ -179,7 +180,8 @@ def test_a_mixtures_sources_follow_the_batches_in_both_writers(counts):
     b = dataclasses.replace(b, sources=src)
     bounds = b.bounds()
     want = [src[bounds[j]:bounds[j + 1]].tolist() for j in range(len(counts))]
-    for data in (wire.encode_reply(b, "r"), wire.encode_reply_py(b, "r") + wire._sources(b)):
+    assert wire._sources(b) == wire._sources_np(b)   # the C entries and the numpy ones, byte for byte
+    for data in (wire.encode_reply(b, "r"), wire.encode_reply_py(b, "r") + wire._sources_np(b)):
         reply = pb.StreamReply.FromString(data)
         assert [np.frombuffer(s, "<i8").tolist() for s in reply.sources] == want
         assert len(reply.batches) == len(counts) and reply.region == "r"

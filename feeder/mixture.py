@@ -174,6 +174,8 @@ FILL_TABLE_MAX = 1 << 24
 _FILL_CACHE: "OrderedDict[tuple, tuple[np.ndarray, np.ndarray]]" = OrderedDict()
 _FILL_LOCK = threading.Lock()
 _FILL_BYTES = 256 << 20
+_fill_bytes = 0   # held by _FILL_CACHE (summing its values per insert hashed every key: an
+                  # OrderedDict looks each value up by its key, and a Mixture hashes field by field)
 
 
 def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffle: bool
@@ -196,10 +198,14 @@ def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffl
     ids = sample_ids(mix, sizes, src, draws, seed=seed, shuffle=shuffle)
     for a in (src, ids):
         a.setflags(write=False)
+    global _fill_bytes
     with _FILL_LOCK:
-        _FILL_CACHE[key] = (src, ids)
-        while len(_FILL_CACHE) > 2 and sum(a.nbytes + b.nbytes for a, b in _FILL_CACHE.values()) > _FILL_BYTES:
-            _FILL_CACHE.popitem(last=False)
+        if key not in _FILL_CACHE:   # another thread may have filled it meanwhile
+            _FILL_CACHE[key] = (src, ids)
+            _fill_bytes += src.nbytes + ids.nbytes
+        while len(_FILL_CACHE) > 2 and _fill_bytes > _FILL_BYTES:
+            a, b = _FILL_CACHE.popitem(last=False)[1]
+            _fill_bytes -= a.nbytes + b.nbytes
     return src, ids
 
 

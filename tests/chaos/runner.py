@@ -187,12 +187,16 @@ _PROXIES = None
 
 
 def proxies():
-    """One proxy server for the process (toxiproxy when built, else the user-space one)."""
+    """One proxy server for the process (toxiproxy when built, else the user-space one),
+    stopped when the process exits (a toxiproxy server outlived every test run before)."""
     global _PROXIES
     if _PROXIES is None:
+        import atexit
+
         from tests.wanproxy import start_proxies
 
         _PROXIES = start_proxies()
+        atexit.register(_PROXIES.close)
     return _PROXIES
 
 

@@ -102,6 +102,9 @@ def _mixture(mixture, dataset: str) -> None:
             raise InvalidArgument(f"mixture weight of {shown(name)} must be a finite number >= 0, got {shown(weight)}")
     if not any(w > 0 for _, w in mixture):
         raise InvalidArgument(f"mixture weights must not all be 0, got {shown(dict(mixture))}")
+    if not math.isfinite(sum(float(w) for _, w in mixture)):   # (normalized by an infinite sum, all would be 0)
+        raise InvalidArgument(f"mixture weights must have a finite sum (they are normalized by it), got "
+                              f"{shown(dict(mixture))}")
 
 
 def _compression(name: str, value: str, level: int) -> None:

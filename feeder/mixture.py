@@ -88,8 +88,16 @@ def source_seed(seed: int, name: str) -> int:
 
 def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool) -> np.ndarray:
     """The source's `cycle`-th permutation of its n sample ids (identity without shuffle):
-    torch.randperm(n) under seed source_seed(seed, name) + cycle, as an epoch's order is."""
+    torch.randperm(n) under seed source_seed(seed, name) + cycle, as an epoch's order is.
+    Cached with the epoch orders, except small ones: an upsampled small source needs a new
+    permutation every n draws, thousands an epoch, and caching those would evict the job's
+    epoch orders (256 entries) for permutations cheaper to draw again than to look up."""
+    if n < SMALL_SOURCE:
+        return sampler.randperm(n, source_seed(seed, name) + cycle) if shuffle else np.arange(n, dtype=np.int64)
     return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle)
+
+
+SMALL_SOURCE = 1 << 12
 
 
 def offsets_at(mix: Mixture, epoch: int) -> np.ndarray:
@@ -143,10 +151,17 @@ def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.
             out[at] = source_order(n, seed, mix.names[d], lo, shuffle)[k - lo * n]
             continue
         cycles, r = np.divmod(k, n)
-        for c in range(lo, hi + 1):
-            sel = cycles == c
-            if sel.any():
-                out[at[sel]] = source_order(n, seed, mix.names[d], c, shuffle)[r[sel]]
+        if n == 1 or not shuffle:   # every permutation is the identity
+            out[at] = r
+            continue
+        # Grouped by permutation in one sort (a small source upsampled in a large epoch spans
+        # thousands: a mask per permutation made this quadratic, seconds per epoch).
+        by = np.argsort(cycles, kind="stable")
+        cs = cycles[by]
+        cuts = [0, *(np.flatnonzero(cs[1:] != cs[:-1]) + 1).tolist(), len(cs)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            sel = by[a:b]
+            out[at[sel]] = source_order(n, seed, mix.names[d], int(cs[a]), shuffle)[r[sel]]
     return out
 
 

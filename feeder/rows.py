@@ -40,5 +40,7 @@ class Rows:
         else:
             for b, buf in enumerate(self.bufs):
                 sel = np.flatnonzero(self.which == b)
+                if not len(sel):   # (a chunk shorter than a row holds none: its rows were read aside)
+                    continue
                 out[sel] = np.lib.stride_tricks.sliding_window_view(buf, self.n)[self.offs[sel]]
         return out

@@ -75,7 +75,8 @@ class MixtureSource:
                 if getattr(src, what) != getattr(first, what):
                     raise FailedPrecondition(
                         f"mixture source {name!r} has {what} {getattr(src, what)}, but {self.names[0]!r} has "
-                        f"{getattr(first, what)}: the sources of a mixture must share one tokenizer")
+                        f"{getattr(first, what)}: the sources of a mixture must share one "
+                        f"{'token dtype' if what == 'dtype' else 'tokenizer'}")
         self.fingerprints = tuple(p.fingerprint for p in self.parts)
         self.fingerprint = "mix-" + hashlib.sha256(
             "\0".join(f"{n}\0{f}" for n, f in zip(self.names, self.fingerprints)).encode()).hexdigest()[:32]

@@ -210,7 +210,9 @@ def named_sources(values: list[str]) -> dict:
         return {"source": values[0]}
     unnamed = [v for v, m in zip(values, named) if not m]
     if unnamed:
-        raise InvalidArgument(f"with several sources each needs a name: --source NAME=DIR|URL, got {shown(unnamed[0])}")
+        why = " (a name may not hold '/')" if "/" in unnamed[0].partition("=")[0] and "=" in unnamed[0] else ""
+        raise InvalidArgument(f"with several sources each needs a name: --source NAME=DIR|URL, got "
+                              f"{shown(unnamed[0])}{why}")
     return {"sources": tuple((m.group(1), m.group(2)) for m in named)}
 
 

@@ -116,8 +116,10 @@ class StreamPlan:
             raise FailedPrecondition(f"the dataset has {n_tokens} tokens, too few for one sample of "
                                      f"seq_len + 1 = {spec.seq_len + 1} tokens")
         if sampler.per_rank(self.n, spec.world_size, spec.drop_last) == 0:
-            raise FailedPrecondition(f"the dataset yields {self.n} samples of seq_len {spec.seq_len}, fewer than "
-                                     f"world_size {spec.world_size}: with drop_last every rank would get none")
+            what = (f"the mixture's epoch_samples is {self.n}" if spec.mixture else
+                    f"the dataset yields {self.n} samples of seq_len {spec.seq_len}")
+            raise FailedPrecondition(f"{what}, fewer than world_size {spec.world_size}: with drop_last every rank "
+                                     "would get none")
         self.start = self._start(cursor)
 
     def _start(self, c: Cursor | None) -> Start:

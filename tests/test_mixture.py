@@ -488,6 +488,38 @@ def test_a_region_file_names_several_sources(corpora, tmp_path):
         p.wait(10)
 
 
+def test_the_second_review_a_corrupt_chunk_and_a_short_epoch_name_the_mixtures_part(corpora, tmp_path):
+    """DATA_LOSS in a mixture names the source (every prepped source has a shard-00000.arrow),
+    and drop_last over too few positions names epoch_samples, not "the dataset"."""
+    import shutil
+
+    from feeder import manifest as mf
+    from feeder.config import StreamSpec
+    from feeder.errors import DataLoss
+    from feeder.sources.mixture import MixtureSource
+    from feeder.sources.posix import open_source
+
+    bad = tmp_path / "code"
+    shutil.copytree(corpora["code"][0], bad)
+    shard = bad / mf.read(bad).shards[0].path
+    data = bytearray(shard.read_bytes())
+    at = data.find(open_source(str(bad)).chunk(0).tobytes())   # inside the first chunk's tokens
+    assert at > 0
+    data[at + 10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    mix = MixtureSource((("web", 1.0), ("code", 1.0)), {"web": open_source(corpora["web"][0]),
+                                                         "code": open_source(str(bad))})
+    # (epoch_samples left to the sources' sum: code's half of it draws every code sample)
+    spec = StreamSpec(job="j", rank=0, world_size=1, seq_len=SEQ, micro_batch=4, mixture=(("web", 1.0), ("code", 1.0)))
+    plan = mix.plan(spec, None)
+    with pytest.raises(DataLoss, match="mixture source 'code': shard .* is corrupt"):
+        for run in plan.runs():
+            plan.locate(run.ids * SEQ, SEQ + 1, run.sources).gather(plan.dtype)
+    short = StreamSpec(**{**spec.__dict__, "world_size": 50, "drop_last": True, "epoch_samples": 40})
+    with pytest.raises(FeederError, match="the mixture's epoch_samples is 40, fewer than world_size 50"):
+        mix.plan(short, None)
+
+
 def test_found_by_the_outside_review_names_sizes_and_numpy_numbers(corpora, mixfeeder, tmp_path, monkeypatch):
     """An epoch_samples too large to materialize is INVALID_ARGUMENT at once (it was INTERNAL,
     retried); any printable source name without = or / is a name; a single existing directory
@@ -500,6 +532,8 @@ def test_found_by_the_outside_review_names_sizes_and_numpy_numbers(corpora, mixf
         take(ds(mixfeeder, "huge", 1, 0, {"web": 1, "code": 1}, epoch_samples=10**12, retry_for_s=3))
     assert e.value.code == Code.INVALID_ARGUMENT and "epoch_samples must be at most" in str(e.value)
     assert named_sources(["日本語=/x", "a b=/y"]) == {"sources": (("日本語", "/x"), ("a b", "/y"))}
+    with pytest.raises(FeederError, match="a name may not hold '/'"):   # (the second review)
+        named_sources(["web=/x", "a/b=/y"])
     hive = tmp_path / "date=2024-01-01"
     hive.mkdir()
     monkeypatch.chdir(tmp_path)

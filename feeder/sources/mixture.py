@@ -19,7 +19,7 @@ from feeder import mixture as mx
 from feeder import sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, Mixture
-from feeder.errors import FailedPrecondition, NotFound, WrongReplica
+from feeder.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
 from feeder.planning import PlannedRun, Start, StreamPlan
 from feeder.rows import Rows
 from feeder.sources import ChunkTable
@@ -35,8 +35,8 @@ class Joined:
     base[d] + t here), so a block's rows from every source are located in one pass
     (posix.locate_rows) rather than one per source and a merge."""
 
-    def __init__(self, parts):
-        self.parts, self.dtype = parts, parts[0].dtype
+    def __init__(self, names, parts):
+        self.names, self.parts, self.dtype = names, parts, parts[0].dtype
         self.base = [0]
         for p in parts:
             self.base.append(self.base[-1] + p.n_tokens)
@@ -48,11 +48,17 @@ class Joined:
 
     def chunk(self, k: int) -> np.ndarray:
         d, local = self._owner[k]
-        return self.parts[d].chunk(local)
+        try:
+            return self.parts[d].chunk(local)
+        except DataLoss as e:   # sources' shards often share names: say whose it is
+            raise DataLoss(f"mixture source {self.names[d]!r}: {e}") from None
 
     def read(self, start: int, out: np.ndarray) -> None:
         d = bisect.bisect_right(self.base, start) - 1
-        self.parts[d].read(start - self.base[d], out)
+        try:
+            self.parts[d].read(start - self.base[d], out)
+        except DataLoss as e:
+            raise DataLoss(f"mixture source {self.names[d]!r}: {e}") from None
 
 
 class MixtureSource:
@@ -86,7 +92,7 @@ class MixtureSource:
         self.n_documents = sum(p.n_documents for p in self.parts)
         # Sources on files are chunk tables, joined so a block is located in one pass; a source
         # that only says where rows lie (the Source seam's least) is asked source by source.
-        self.joined = Joined(self.parts) if all(isinstance(p, ChunkTable) for p in self.parts) else None
+        self.joined = Joined(self.names, self.parts) if all(isinstance(p, ChunkTable) for p in self.parts) else None
 
     def sizes(self, seq_len: int) -> tuple[int, ...]:
         """Each source's samples at seq_len; a source too small for one is refused."""

@@ -76,6 +76,20 @@ def check_batches(batches, stream: np.ndarray, seq_len: int, want: list[int]) ->
             np.testing.assert_array_equal(row, sample(stream, i, seq_len))
 
 
+def served_until_error(batches):
+    """(the batches a stream gave before it ended with a FeederError, that error); a stream
+    that ends without one fails the test."""
+    import pytest
+
+    from feeder.errors import FeederError
+
+    served = []
+    with pytest.raises(FeederError) as e:
+        for b in batches:
+            served.append(b)
+    return served, e.value
+
+
 def refused(r: subprocess.CompletedProcess, *words: str) -> str:
     """The run was refused as a user's mistake: exit 2, one line naming what was wrong."""
     assert r.returncode == 2, (r.returncode, r.stderr)

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from feeder.config import ServeConfig
-from feeder.errors import Code, FeederError
+from feeder.errors import Code
 from feeder.service.server import ServerThread
 from feeder.sources.posix import open_source
 from feeder_client import FeederDataset
 from tests import format_writers as W
-from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, refused
+from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, refused, served_until_error
 
 VOCAB = ["--vocab-size", "257", "--eos-id", "256"]     # the byte tokenizer's
 SEQ, SEED = 16, 5
@@ -259,14 +259,10 @@ def test_token_id_beyond_the_vocabulary_is_data_loss_naming_file_and_offset(tmp_
     path = tmp_path / "train.bin"
     flat.tofile(path)
     with ServerThread(ServeConfig(source=str(path), listen="127.0.0.1:0", vocab_size=257, eos_id=256)) as srv:
-        ds = FeederDataset([srv.address], job="vocab", rank=0, world_size=1, seq_len=SEQ, micro_batch=4,
-                           shuffle=False, retry_for_s=2)
-        served = []
-        with pytest.raises(FeederError) as e:
-            for b in ds:
-                served.append(b)
-    assert e.value.code == Code.DATA_LOSS
-    assert str(path) in str(e.value) and f"byte offset {bad_at * 2}" in str(e.value) and "300" in str(e.value)
+        served, err = served_until_error(FeederDataset([srv.address], job="vocab", rank=0, world_size=1, seq_len=SEQ,
+                                                       micro_batch=4, shuffle=False, retry_for_s=2))
+    assert err.code == Code.DATA_LOSS
+    assert str(path) in str(err) and f"byte offset {bad_at * 2}" in str(err) and "300" in str(err)
     assert served == []          # the file is one chunk (16 Mi tokens a chunk), and that chunk holds the bad id
     # `feeder index` refuses it too, with the same words.
     refused(run("index", path, *VOCAB, "--quiet", "--out", tmp_path / "side"), str(path), f"byte offset {bad_at * 2}")
@@ -276,15 +272,12 @@ def test_token_id_beyond_the_vocabulary_is_data_loss_naming_file_and_offset(tmp_
     W.hf(tmp_path / "hf", bad)
     with ServerThread(ServeConfig(source=str(tmp_path / "hf"), listen="127.0.0.1:0", vocab_size=257,
                                   eos_id=256)) as srv:
-        served = []
-        with pytest.raises(FeederError) as e:
-            for b in FeederDataset([srv.address], job="vocab-hf", rank=0, world_size=1, seq_len=SEQ, micro_batch=4,
-                                   shuffle=False, retry_for_s=2):
-                served.append(b)
-    assert e.value.code == Code.DATA_LOSS
+        served, err = served_until_error(FeederDataset([srv.address], job="vocab-hf", rank=0, world_size=1,
+                                                       seq_len=SEQ, micro_batch=4, shuffle=False, retry_for_s=2))
+    assert err.code == Code.DATA_LOSS
     assert served      # the first file's record batch came; nothing of the second, which holds the bad id
     check_batches(served, byte_stream(docs), SEQ, list(range(sum(len(b.sample_ids) for b in served))))
-    assert "data-00001-of-00003.arrow" in str(e.value) and "row 20 " in str(e.value) and "70000" in str(e.value)
+    assert "data-00001-of-00003.arrow" in str(err) and "row 20 " in str(err) and "70000" in str(err)
 
 
 def test_mds_shard_with_a_flipped_byte_is_data_loss_with_a_sidecar(corpora, tmp_path):
@@ -301,13 +294,10 @@ def test_mds_shard_with_a_flipped_byte_is_data_loss_with_a_sidecar(corpora, tmp_
     data[at] ^= 0x01
     shard.write_bytes(bytes(data))
     with ServerThread(ServeConfig(source=str(copy), listen="127.0.0.1:0", vocab_size=257, eos_id=256)) as srv:
-        served = []
-        with pytest.raises(FeederError) as e:
-            for b in FeederDataset([srv.address], job="flip", rank=0, world_size=1, seq_len=SEQ, micro_batch=4,
-                                   shuffle=False, retry_for_s=2):
-                served.append(b)
-    assert e.value.code == Code.DATA_LOSS
-    assert "shard.00002.mds" in str(e.value) and "sha256" in str(e.value)
+        served, err = served_until_error(FeederDataset([srv.address], job="flip", rank=0, world_size=1, seq_len=SEQ,
+                                                       micro_batch=4, shuffle=False, retry_for_s=2))
+    assert err.code == Code.DATA_LOSS
+    assert "shard.00002.mds" in str(err) and "sha256" in str(err)
     assert served
     check_batches(served, byte_stream(docs), SEQ, list(range(sum(len(b.sample_ids) for b in served))))
 

@@ -17,7 +17,7 @@ from feeder.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
-from tests.helpers import reference_ids, sample
+from tests.helpers import reference_ids, sample, served_until_error
 
 
 def collect(address, **kw):
@@ -173,12 +173,9 @@ def test_corrupt_shard_is_reported_by_name_and_never_served(dataset, stream, tmp
     with ServerThread(ServeConfig(source=str(copy), listen="127.0.0.1:0")) as srv:
         ds = FeederDataset([srv.address], job="corrupt", rank=0, world_size=1, seq_len=64, micro_batch=4,
                            shuffle=False, num_epochs=1)
-        served = []
-        with pytest.raises(FeederError) as e:
-            for b in ds:
-                served.append(b)
-    assert e.value.code == Code.DATA_LOSS
-    assert m.shards[-1].path in str(e.value) and "sha256" in str(e.value)
+        served, err = served_until_error(ds)
+    assert err.code == Code.DATA_LOSS
+    assert m.shards[-1].path in str(err) and "sha256" in str(err)
     # the first batch came without reading the whole dataset, and nothing served was corrupt
     assert len(served) > 10
     check_content(served, stream, 64)

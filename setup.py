@@ -46,6 +46,6 @@ def renamed_packages() -> list[str]:
 setup(cmdclass={"build_py": BuildWithProtos},
       packages=[*find_packages(include=["feeder", "feeder.*"]), *renamed_packages()],
       package_dir=RENAMED,
-      ext_modules=[Extension("feeder._shuffle", ["feeder/_shuffle.c"], optional=True),
+      ext_modules=[Extension("feeder._shuffle", ["feeder/_shuffle.c"], optional=True, extra_compile_args=["-O3"]),
                    Extension("feeder._native", ["feeder/_native.c"], optional=True,
                              extra_compile_args=["-O3"])])

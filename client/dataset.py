@@ -41,6 +41,11 @@ class FeederDataset(IterableDataset):
             (0: the sources' samples summed); remix=True continues a cursor of another mixture
             under this one. Each batch then has `sources` (the index of each sample's source in
             this mixture) and `sample_ids` within that source. README "Mixtures" has the rules.
+        permutation: the epoch's order. "torch" (the default): exactly torch.randperm's, as this
+            process's torch release draws it, so the ids are a local DistributedSampler's; the
+            feeder builds it once per epoch (O(n), ahead of need, shared). "stateless": a seeded
+            random-access bijection of the epoch (O(1), instant at any size), a new one per epoch;
+            not torch's order. README "Choosing an order".
         cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
             batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
         read_ahead .. keep_freed_memory: how the stream is carried (ClientConfig: read-ahead,
@@ -68,7 +73,7 @@ class FeederDataset(IterableDataset):
                  token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64,
                  failback_s: float = 60.0, pin_memory: bool | None = None,
                  keep_freed_memory: bool = True, mixture: Mapping[str, float] | Sequence | None = None,
-                 epoch_samples: int = 0, remix: bool = False):
+                 epoch_samples: int = 0, remix: bool = False, permutation: str = "torch"):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -80,7 +85,7 @@ class FeederDataset(IterableDataset):
                                compression_level=compression_level, reshard=reshard,
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
                                bad_records=bad_records, client_started_ns=process_started_ns(),
-                               mixture=mixture_pairs(mixture), remix=remix,
+                               mixture=mixture_pairs(mixture), remix=remix, permutation=permutation,
                                epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__") else epoch_samples)
         self.targets = tuple(targets)
         self.cursor = cursor

@@ -11,6 +11,7 @@ give up: pure code), .decode (reply -> tensors), .handoff (the queue to the trai
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt
 from .transport import Transport, channel_options, feeder_info, measure_rtt
 from feeder.errors import COMPLETE, ELSEWHERE, END, FeederError
 from feeder.malloc import keep_freed_memory
+from feeder.order import torch_kind
 from feeder.security import explain
 from feeder.service.convert import CODES, COMPRESSION_ENUM as COMPRESSION, stream_request
 from feeder.v1 import feeder_pb2 as pb
@@ -40,6 +42,9 @@ log = logging.getLogger("feeder_client")
 class Incomplete(Exception):
     """A stream closed with status OK but without the feeder's end marker."""
 
+
+# A feeder building an epoch's order tells the rank every ~2 s; the rank's log says so this often.
+WAITING_LOG_S = 30.0
 
 class FeederClient:
     """One rank's stream of batches (FeederBatch), in order, each once, across failovers.
@@ -67,6 +72,10 @@ class FeederClient:
     """
 
     def __init__(self, cfg: ClientConfig):
+        # "torch" (or none named) is this process's torch release's randperm: the feeder draws the
+        # order exactly as torch here would, whatever torch (if any) the feeder host has.
+        if cfg.spec.permutation in ("", "torch"):
+            cfg = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, permutation=torch_kind(torch.__version__)))
         self.cfg = cfg
         if cfg.keep_freed_memory:
             keep_freed_memory()
@@ -77,6 +86,7 @@ class FeederClient:
         # Not at the first request: one that never reached a feeder (a dead link) opened nothing,
         # and its retry must be a first stream, or a replacement would be fenced as a reconnect.
         self._opened = False
+        self._waiting_logged = -WAITING_LOG_S
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
@@ -313,6 +323,9 @@ class FeederClient:
             finally:
                 self._waiting_since = None
             self._opened = True
+            if reply.waiting:   # the feeder builds what the stream needs (an epoch's order): it is alive
+                self._told_waiting(target, reply.waiting)
+                continue
             if reply.region != self.region:
                 log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                 self.region = reply.region
@@ -321,6 +334,13 @@ class FeederClient:
             if not got_any:
                 got_any = True
                 self.policy.batch_received()
+
+    def _told_waiting(self, target: str, why: str) -> None:
+        """Say, at most every WAITING_LOG_S, why the feeder has sent nothing yet."""
+        now = time.monotonic()
+        if now - self._waiting_logged >= WAITING_LOG_S:
+            self._waiting_logged = now
+            log.info("rank %d: feeder %s is %s; waiting for it", self.cfg.spec.rank, target, why)
 
     def _hand_reply(self, reply: pb.StreamReply) -> bool:
         """Decode a reply's batches in runs of up to half the read-ahead, each handed over at once.

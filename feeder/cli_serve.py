@@ -17,7 +17,8 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
-               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index"}
+               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index",
+               "cache_dir": "cache_dir", "cache_max_gb": "cache_max_gb"}
 
 
 def serve_config(args):
@@ -134,6 +135,10 @@ def add_serve(sub) -> None:
     s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
+    s.add_argument("--cache-dir", help="where what is built once is kept and shared: epoch orders of torch's "
+                   "permutation (default ~/.cache/feeder; on the region's shared filesystem, built once per region)")
+    s.add_argument("--cache-max-gb", type=float, help="the cache directory's budget for orders, least recently "
+                   "used removed first (default 64)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
     s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from feeder.errors import InvalidArgument
+from feeder.order import KINDS
 
 COMPRESSIONS = ("none", "zstd")
 BAD_RECORD_POLICIES = ("", "skip", "fail")
@@ -23,7 +24,7 @@ UINT64_MAX = (1 << 64) - 1
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
 MAX_SOURCES = 256    # sources in one mixture
-MAX_EPOCH_SAMPLES = 2**31 - 1
+MAX_EPOCH_SAMPLES = 2**63 - 1   # positions are int64 throughout
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHOWN_CHARS = 64
 
@@ -152,6 +153,9 @@ class StreamSpec:
     mixture: tuple[tuple[str, float], ...] = ()
     epoch_samples: int = 0
     remix: bool = False
+    # The epoch's order (feeder.order.KINDS): torch's randperm as the client's torch release
+    # draws it ("torch" from 2.7, "torch-legacy" before; "" from an older client), or "stateless".
+    permutation: str = ""
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -170,7 +174,6 @@ class StreamSpec:
             raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
                                   f"got {self.epoch} + {self.num_epochs}")
         _mixture(self.mixture, self.dataset)
-        # A mixture's epoch is materialized (~14 bytes a position: its order and its blending).
         _non_negative("epoch_samples", self.epoch_samples, upper=MAX_EPOCH_SAMPLES)
         for flag in ("shuffle", "drop_last", "reshard", "continued", "remix"):
             _flag(flag, getattr(self, flag))
@@ -179,6 +182,9 @@ class StreamSpec:
         _positive("num_workers", self.num_workers, upper=1024)
         _text("dataset", self.dataset, limit=MAX_NAME)
         _text("expected_fingerprint", self.expected_fingerprint)   # Kafka's lists every partition: no limit
+        if self.permutation not in KINDS:
+            raise InvalidArgument(f"permutation must be torch or stateless (torch-legacy: torch before 2.7), "
+                                  f"got {shown(self.permutation)}")
         if self.bad_records not in BAD_RECORD_POLICIES:
             raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
                                   f"got {shown(self.bad_records)}")
@@ -268,6 +274,10 @@ class ServeConfig:
     # siblings of `--processes` do. Off by default: a feeder started twice on one port, say
     # with other data, must fail to bind rather than get half the connections.
     reuse_port: bool = False
+    # What is built once and shared (epoch orders of torch's kind): "" is the user's cache
+    # ($XDG_CACHE_HOME/feeder, else ~/.cache/feeder); a region's shared filesystem builds once per region.
+    cache_dir: str = ""
+    cache_max_gb: float = 64.0
 
     def __post_init__(self):
         if bool(self.source) == bool(self.sources):
@@ -289,6 +299,8 @@ class ServeConfig:
         _compression("default_compression", self.default_compression, self.default_level)
         _positive("threads", self.threads, upper=256)
         _positive("processes", self.processes, upper=256)
+        if not isinstance(self.cache_max_gb, (int, float)) or not self.cache_max_gb > 0:
+            raise InvalidArgument(f"cache_max_gb must be a positive number of GB, got {shown(self.cache_max_gb)}")
         if self.metrics_listen:
             mhost, msep, mport = self.metrics_listen.rpartition(":")
             if not msep or not mport.isdigit() or int(mport) > 65535:
@@ -312,6 +324,12 @@ class ServeConfig:
                 raise InvalidArgument(
                     f"{what} {address} is beyond loopback and would be plain text: give --tls-cert and --tls-key "
                     "(TLS), or --insecure to serve plain text anyway")
+
+    @property
+    def cache(self) -> str:
+        """The cache directory in use."""
+        return self.cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                              "feeder")
 
     @property
     def tls(self) -> bool:

@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 
 from feeder.errors import FailedPrecondition
+from feeder.order import KINDS
 
 try:
     from feeder._native import cursors as _native_cursors   # the same bytes, ~4x faster
@@ -32,7 +33,9 @@ MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
 DEV_SECRET = b"feeder-development-secret-not-for-production"
 
-_FIXED = struct.Struct(">QBBIIIIQQQ")  # seed flags seq_len world rank epoch base pos step
+# seed flags permutation seq_len world rank epoch base pos step (the permutation byte, once 0
+# in every cursor, is the index of its kind in feeder.order.KINDS: 0, "", in older cursors)
+_FIXED = struct.Struct(">QBBIIIIQQQ")
 _HEAD = struct.Struct(">QBBIII")        # the part of _FIXED a stream keeps: seed .. rank
 _TAIL = struct.Struct(">IQQQ")          # and the part each batch moves: epoch base pos step
 
@@ -186,6 +189,7 @@ class Cursor:
     pos: int       # samples of this rank's segment list already delivered
     step: int      # batches already delivered in this epoch
     src: Position = None   # the source position the sampler cannot derive (see the module doc)
+    permutation: str = ""  # the kind of the epoch's order (feeder.order.KINDS), as feeder.order.agreed names it
 
     def head(self) -> bytes:
         """Everything before (epoch, base, pos, step): the same for every batch of a stream segment."""
@@ -196,7 +200,7 @@ class Cursor:
         return b"".join([
             MAGIC, bytes([VERSION, _KIND[type(self.src)]]),
             struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp, struct.pack(">I", len(src)), src,
-            _HEAD.pack(self.seed, flags, 0, self.seq_len, self.world_size, self.rank),
+            _HEAD.pack(self.seed, flags, KINDS.index(self.permutation), self.seq_len, self.world_size, self.rank),
         ])
 
     def encode(self, secret: bytes) -> bytes:
@@ -232,12 +236,15 @@ class Cursor:
                     raise struct.error("the source position runs past the cursor's end")
                 src = _position(data[2], body[3], body[at + 4:at + 4 + sl])
                 at += 4 + sl
-            seed, flags, _, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
+            seed, flags, kind, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
         except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise FailedPrecondition(f"cursor is malformed: {e}") from None
+        if kind >= len(KINDS):   # a newer feeder's permutation: another feeder may know it
+            raise FailedPrecondition(f"cursor names permutation kind {kind}, which this feeder does not know (it knows "
+                                     f"0 to {len(KINDS) - 1}); another feeder may", elsewhere=True)
         return cls(job=job, fingerprint=fp, seed=seed, shuffle=bool(flags & 1),
                    drop_last=bool(flags & 2), seq_len=seq_len, world_size=world, rank=rank,
-                   epoch=epoch, base=base, pos=pos, step=step, src=src)
+                   epoch=epoch, base=base, pos=pos, step=step, src=src, permutation=KINDS[kind])
 
 
 def _mac(secret: bytes, body: bytes) -> bytes:

@@ -16,6 +16,7 @@ from feeder import __version__
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor, Mixture
 from feeder.errors import InvalidArgument, NotFound, Unavailable
+from feeder.order_store import OrderStore
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.stream import Jobs, RankStream
 from feeder.siblings import Siblings
@@ -42,6 +43,8 @@ class Engine:
         # One of several processes on this port (`feeder serve --processes N`)
         self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
         self.version = __version__
+        # Large epoch orders of torch's kind: built once into the cache directory, shared.
+        self.orders = OrderStore(cfg.cache, max_bytes=int(cfg.cache_max_gb * 2**30))
 
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
@@ -65,6 +68,7 @@ class Engine:
         return ProcessStatus(
             region=region, uptime_s=time.monotonic() - self.started, streams_open=self.jobs.streams_open,
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
+            building=tuple(b.describe() for b in self.orders.builds()),
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
                                  ranks=tuple(_rank_status(r, region)
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
@@ -94,6 +98,9 @@ class Engine:
             src, spec = self.mixture(spec, decoded)
         # Off the loop: a source may read to plan (Kafka decides per job what an epoch is).
         plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded)
+        # The permutation as the plan agreed it: the job's ranks are held to that, not to the
+        # torch release each one names (they agree wherever their releases draw the same).
+        spec = dataclasses.replace(spec, permutation=plan.spec.permutation)
         stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize)
         try:
             stream.state = self.jobs.attach(spec, stream)
@@ -169,11 +176,13 @@ class Engine:
     def shutdown(self) -> None:
         """End every stream now with UNAVAILABLE, so clients resume elsewhere at once
         instead of waiting for the grace period to run out."""
+        self.orders.stop()   # a build's loop ends within milliseconds: SIGTERM does not wait for it
         for job in self.jobs.jobs.values():
             for stream in list(job.streams.values()):
                 stream.end(Unavailable(f"feeder in region {self.cfg.region} is shutting down; resume elsewhere"))
 
     def close(self) -> None:
+        self.orders.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.planner.shutdown(wait=False, cancel_futures=True)
         for src in self.sources.values():

@@ -49,6 +49,9 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_streams_open": ("gauge", "Streams open in this process", ()),
     "feeder_jobs": ("gauge", "Jobs known to this process", ()),
     "feeder_resident_memory_bytes": ("gauge", "Resident set size of this process", ()),
+    "feeder_order_build_ratio": ("gauge", "How far each epoch order under way here is built (0..1)", ("order",)),
+    "feeder_orders_built_total": ("counter", "Epoch orders this process built", ()),
+    "feeder_order_build_seconds_total": ("counter", "Seconds this process spent building epoch orders", ()),
     "feeder_info": ("gauge", "Constant 1, labelled with the feeder's version and region", ("version", "region")),
 }
 
@@ -122,6 +125,10 @@ class EngineCollector:
         fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
         fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)
         fam["feeder_info"].add_metric([e.version, e.cfg.region], 1.0)
+        for b in e.orders.builds():
+            fam["feeder_order_build_ratio"].add_metric([b.name], b.fraction)
+        fam["feeder_orders_built_total"].add_metric([], e.orders.built)
+        fam["feeder_order_build_seconds_total"].add_metric([], e.orders.build_seconds)
         yield from fam.values()
 
 

@@ -28,11 +28,14 @@ import numpy as np
 
 from feeder import sampler
 from feeder.cursor import Mixture
+from feeder.errors import FailedPrecondition
 
 try:
     from feeder._native import blend as _native_blend
-except ImportError:  # no C compiler at install: the loop below, ~100x slower
-    _native_blend = None
+    from feeder._native import blend_at as _native_blend_at
+    from feeder._native import blend_checkpoints as _native_checkpoints
+except ImportError:  # no C compiler at install: the loop below, ~100x slower, and no huge mixtures
+    _native_blend = _native_blend_at = _native_checkpoints = None
 
 
 def normalized(weights) -> tuple[float, ...]:
@@ -80,21 +83,122 @@ def blend(weights: tuple[float, ...], size: int) -> tuple[np.ndarray, np.ndarray
     return out
 
 
+# Blendings larger than this are not materialized: each source's count every BLEND_EVERY slots
+# (Checkpoints) answers any slot in at most BLEND_EVERY steps. 8 bytes a source per 2048 slots:
+# 10^10 positions of 3 sources hold 117 MB, where the whole blending would take 100 GB.
+BLEND_EVERY = 2048
+BLEND_INLINE = 1 << 27   # slots scanned while the rank waits (~0.3 s); more in the background
+
+
+class Checkpoints:
+    """Megatron's blending of one weight vector at any slot, from each source's count before
+    every BLEND_EVERY-th slot. The blending does not depend on the epoch's size, so one table
+    per weight vector serves every size, grown as far as a job needs it."""
+
+    def __init__(self, weights: tuple[float, ...]):
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.table = np.zeros((1, len(weights)), dtype=np.int64)   # row k: counts before slot k * EVERY
+        self.progress = np.zeros(2, dtype=np.int64)
+        self._lock = threading.Lock()
+        self._growing: threading.Thread | None = None
+        self._want = 0
+
+    def covers(self, size: int) -> bool:
+        return size // BLEND_EVERY < len(self.table)
+
+    def ensure(self, size: int) -> None:
+        """Make slots [0, size] answerable; OrderPending while a long scan runs in the background."""
+        if self.covers(size):
+            return
+        if _native_checkpoints is None:
+            raise FailedPrecondition(f"a mixture of {size:,} positions needs the feeder's C extension "
+                                     "(feeder/_native.c), which this install lacks", elsewhere=True)
+        with self._lock:
+            if self.covers(size):
+                return
+            have = (len(self.table) - 1) * BLEND_EVERY
+            if size - have <= BLEND_INLINE and self._growing is None:
+                self._grow(size)
+                return
+            self._want = max(self._want, size)
+            if self._growing is None:
+                self._growing = threading.Thread(target=self._grow_in_background, daemon=True,
+                                                 name="feeder-blend")
+                self._growing.start()
+            done = int(self.progress[0]) * BLEND_EVERY
+        raise sampler.OrderPending(f"computing the mixture's blending over {size:,} positions: {done / size:.0%}")
+
+    def _grow(self, size: int) -> None:
+        rows = size // BLEND_EVERY + 1
+        table = np.zeros((rows, self.table.shape[1]), dtype=np.int64)
+        table[:len(self.table)] = self.table
+        self.progress[0] = len(self.table) - 1
+        _native_checkpoints(self.weights, table, BLEND_EVERY, len(self.table) - 1, self.progress)
+        self.table = table
+
+    def _grow_in_background(self) -> None:
+        while True:
+            with self._lock:
+                size = self._want
+                if self.covers(size):
+                    self._growing = None
+                    return
+            self._grow(size)
+
+    def at(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, draw) of each slot, as blend()'s index and draw arrays hold them."""
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        src, draw = np.empty_like(slots), np.empty_like(slots)
+        if slots.size:
+            self.ensure(int(slots.max()))
+            _native_blend_at(self.weights, self.table, BLEND_EVERY, slots, src, draw)
+        return src, draw
+
+    def counts(self, size: int) -> np.ndarray:
+        """Each source's slots among the first `size` (blend()'s counts)."""
+        self.ensure(size)
+        row = size // BLEND_EVERY
+        src, _ = self.at(np.arange(row * BLEND_EVERY, size, dtype=np.int64))
+        return self.table[row] + np.bincount(src, minlength=len(self.weights))
+
+
+_CHECKPOINTS: "OrderedDict[tuple, Checkpoints]" = OrderedDict()
+
+
+def checkpoints(weights: tuple[float, ...]) -> Checkpoints:
+    """The weight vector's checkpoints (kept for the last 16 weight vectors)."""
+    with _BLEND_LOCK:
+        got = _CHECKPOINTS.get(weights)
+        if got is None:
+            got = _CHECKPOINTS[weights] = Checkpoints(weights)
+            while len(_CHECKPOINTS) > 16:
+                _CHECKPOINTS.popitem(last=False)
+        _CHECKPOINTS.move_to_end(weights)
+        return got
+
+
+def counts_of(weights: tuple[float, ...], size: int) -> np.ndarray:
+    """Each source's slots among the first `size` of the blending."""
+    if size <= FILL_TABLE_MAX:
+        return blend(weights, size)[2]
+    return checkpoints(weights).counts(size)
+
+
 def source_seed(seed: int, name: str) -> int:
     """The seed of a source's permutations: the job's seed moved by the source's name, so two
     sources of one size draw in different orders."""
     return (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
 
 
-def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool) -> np.ndarray:
+def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool, kind: str = ""):
     """The source's `cycle`-th permutation of its n sample ids (identity without shuffle):
     torch.randperm(n) under seed source_seed(seed, name) + cycle, as an epoch's order is.
     Cached with the epoch orders, except small ones: an upsampled small source needs a new
     permutation every n draws, thousands an epoch, and caching those would evict the job's
     epoch orders (256 entries) for permutations cheaper to draw again than to look up."""
-    if n < SMALL_SOURCE:
-        return sampler.randperm(n, source_seed(seed, name) + cycle) if shuffle else np.arange(n, dtype=np.int64)
-    return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle)
+    if n < SMALL_SOURCE and shuffle and kind != "stateless":
+        return sampler.randperm(n, source_seed(seed, name) + cycle, kind)
+    return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle, kind)
 
 
 SMALL_SOURCE = 1 << 12
@@ -107,16 +211,17 @@ def offsets_at(mix: Mixture, epoch: int) -> np.ndarray:
     if epoch == mix.ref_epoch:
         return off
     k, w = mix.k, mix.weights[:mix.k]
-    first = blend(w, mix.epoch_samples - mix.mix_base)[2]
-    full = blend(w, mix.epoch_samples)[2]
+    first = counts_of(w, mix.epoch_samples - mix.mix_base)
+    full = counts_of(w, mix.epoch_samples)
     out = off.copy()
     out[:k] += first + (epoch - mix.ref_epoch - 1) * full
     return out
 
 
-def consumed(mix: Mixture, order: np.ndarray) -> np.ndarray:
-    """The positions of ref_epoch consumed before a remix, sorted (`order`: that epoch's)."""
-    return np.sort(order[:mix.mix_base])
+def consumed(mix: Mixture, order) -> np.ndarray:
+    """The positions of ref_epoch consumed before a remix, sorted (`order`: that epoch's).
+    O(mix_base): the one part of a mixture still linear in its positions (a mid-epoch remix)."""
+    return np.sort(np.asarray(order[:mix.mix_base], dtype=np.int64))
 
 
 def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray | None = None, *,
@@ -131,13 +236,16 @@ def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray
         size -= mix.mix_base
         if clip:   # (a consumed position past the last unconsumed one: never served)
             slots = np.minimum(slots, max(size - 1, 0))
-    index, draw, _ = blend(mix.weights[:mix.k], size)
-    src = index[slots].astype(np.int64)
-    return src, offsets_at(mix, epoch)[src] + draw[slots]
+    if size <= FILL_TABLE_MAX:
+        index, draw, _ = blend(mix.weights[:mix.k], size)
+        src, draw = index[slots].astype(np.int64), draw[slots]
+    else:   # not materialized: from checkpoints
+        src, draw = checkpoints(mix.weights[:mix.k]).at(slots)
+    return src, offsets_at(mix, epoch)[src] + draw
 
 
 def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.ndarray, *, seed: int,
-               shuffle: bool) -> np.ndarray:
+               shuffle: bool, kind: str = "") -> np.ndarray:
     """The id within its source of each draw: draw k of source d is source_order(...,
     k // n_d)[k % n_d]."""
     out = np.empty(len(draws), dtype=np.int64)
@@ -148,7 +256,7 @@ def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.
         k = draws[at]
         lo, hi = int(k.min()) // n, int(k.max()) // n
         if lo == hi:   # a run's draws of a source nearly always lie in one of its permutations
-            out[at] = source_order(n, seed, mix.names[d], lo, shuffle)[k - lo * n]
+            out[at] = source_order(n, seed, mix.names[d], lo, shuffle, kind)[k - lo * n]
             continue
         cycles, r = np.divmod(k, n)
         if n == 1 or not shuffle:   # every permutation is the identity
@@ -161,7 +269,7 @@ def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.
         cuts = [0, *(np.flatnonzero(cs[1:] != cs[:-1]) + 1).tolist(), len(cs)]
         for a, b in zip(cuts[:-1], cuts[1:]):
             sel = by[a:b]
-            out[at[sel]] = source_order(n, seed, mix.names[d], int(cs[a]), shuffle)[r[sel]]
+            out[at[sel]] = source_order(n, seed, mix.names[d], int(cs[a]), shuffle, kind)[r[sel]]
     return out
 
 
@@ -193,13 +301,13 @@ _fill_bytes = 0   # held by _FILL_CACHE (summing its values per insert hashed ev
                   # OrderedDict looks each value up by its key, and a Mixture hashes field by field)
 
 
-def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffle: bool
+def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffle: bool, kind: str = ""
           ) -> tuple[np.ndarray, np.ndarray]:
     """(source int64 [N], id int64 [N]): what fills each position of `epoch`, as sources_of and
     sample_ids give it, for every position at once. Cached (every rank of a job shares one), so
     a run of batches costs two takes instead of a pass per source. Positions a remix found
     consumed hold a value that is never served."""
-    key = (mix, epoch, sizes, seed, shuffle)
+    key = (mix, epoch, sizes, seed, shuffle, kind)
     with _FILL_LOCK:
         hit = _FILL_CACHE.get(key)
         if hit is not None:
@@ -208,9 +316,9 @@ def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffl
     positions = np.arange(mix.epoch_samples, dtype=np.int64)
     done = None
     if epoch == mix.ref_epoch and mix.mix_base:
-        done = consumed(mix, sampler.epoch_order(mix.epoch_samples, seed, epoch, shuffle))
+        done = consumed(mix, sampler.epoch_order(mix.epoch_samples, seed, epoch, shuffle, kind))
     src, draws = sources_of(mix, epoch, positions, done, clip=True)
-    ids = sample_ids(mix, sizes, src, draws, seed=seed, shuffle=shuffle)
+    ids = sample_ids(mix, sizes, src, draws, seed=seed, shuffle=shuffle, kind=kind)
     for a in (src, ids):
         a.setflags(write=False)
     global _fill_bytes

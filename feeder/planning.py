@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import dataclasses
+
 import numpy as np
 
-from feeder import sampler
+from feeder import order, sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, Position
 from feeder.errors import FailedPrecondition
@@ -104,8 +106,7 @@ class StreamPlan:
     executor = None   # the pipeline's shared pool: planning and locating rows never block
 
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
-                 src: Position = None, data=None):
-        self.spec = spec
+                 src: Position = None, data=None, largest: int = 0):
         self.fingerprint = fingerprint
         self.src = src               # carried in every cursor (Kafka bounded: the frozen epoch, KafkaEpoch)
         self.data = data
@@ -120,12 +121,22 @@ class StreamPlan:
                     f"the dataset yields {self.n} samples of seq_len {spec.seq_len}")
             raise FailedPrecondition(f"{what}, fewer than world_size {spec.world_size}: with drop_last every rank "
                                      "would get none")
+        # The permutation as it decides this stream's samples (feeder.order.agreed): ranks and
+        # cursors are compared on it, so torch releases that draw the same orders here agree.
+        # `largest`: the largest permutation the stream draws (a mixture's sources' too).
+        self.largest = max(largest, self.n)
+        self.spec = spec = dataclasses.replace(spec, permutation=order.agreed(spec.permutation, self.largest,
+                                                                               spec.shuffle))
+        if spec.shuffle and spec.permutation != "stateless" and order.why_not_served("torch"):
+            raise FailedPrecondition(order.why_not_served("torch"), elsewhere=True)
+        self.waiting = ""   # why the next run is not ready (an order being built), for the rank
         self.start = self._start(cursor)
 
     def _start(self, c: Cursor | None) -> Start:
         s = self.spec
         if c is None:
             return Start(epoch=s.epoch, base=0, world=s.world_size, pos=0, step=0)
+        c = dataclasses.replace(c, permutation=self._cursor_permutation(c))
         wrong = cursor_mismatch(c, s, self.fingerprint)
         if wrong is not None:
             raise wrong
@@ -145,6 +156,18 @@ class StreamPlan:
             base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
         return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)
+
+    def _cursor_permutation(self, c: Cursor) -> str:
+        """The cursor's permutation as it decides this stream's orders (as the spec's is)."""
+        try:
+            return order.agreed(c.permutation, self.largest, c.shuffle)
+        except FailedPrecondition as e:
+            if c.permutation:   # a kind this feeder does not know: a newer feeder's
+                raise
+            raise FailedPrecondition(
+                f"cursor does not fit this stream: it was written before feeders recorded which torch randperm drew "
+                f"its order, and at {self.largest:,} samples torch releases disagree (2.7 changed it); restart the "
+                "epoch without the cursor, or resume on the feeder release that wrote it") from e
 
     def _check_position(self, c: Cursor) -> None:
         """A cursor that fits the stream but names no place in it (only a hand-made one can,
@@ -182,7 +205,16 @@ class StreamPlan:
         s, n, mb = self.spec, self.n, self.spec.micro_batch
         epoch, end = self.start.epoch, s.end_epoch
         while epoch < end:
-            order = sampler.epoch_order(n, s.seed, epoch, s.shuffle)
+            while True:   # an order being built: the rank is told so, and asks again
+                try:
+                    ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation)
+                    break
+                except sampler.OrderPending as e:
+                    self.waiting = str(e)
+                    yield PENDING
+            self.waiting = ""
+            if epoch + 1 < end:   # the next epoch's order is built while this one is served
+                sampler.prepare_order(n, s.seed, epoch + 1, s.shuffle, s.permutation)
             if epoch == self.start.epoch:
                 base, world, pos, step = self.start.base, self.start.world, self.start.pos, self.start.step
             else:
@@ -190,7 +222,7 @@ class StreamPlan:
             per = sampler.per_rank(n - base, world, s.drop_last)
             while pos < per:
                 stop = min(pos + max_batches * mb, per)
-                ids = sampler.rank_ids(order, base=base, world=world, rank=s.rank, drop_last=s.drop_last,
+                ids = sampler.rank_ids(ids_of, base=base, world=world, rank=s.rank, drop_last=s.drop_last,
                                        start=pos, stop=stop)
                 # Batch j ends at pos + (j + 1) * mb; only an epoch's last batch may be short.
                 stops = np.array([*range(pos + mb, stop, mb), stop], dtype=np.int64)   # (see rank_ids)
@@ -207,7 +239,8 @@ class StreamPlan:
             for j, stop in enumerate(run.stops.tolist()):
                 cursor = Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
                                 drop_last=s.drop_last, seq_len=s.seq_len, world_size=run.world, rank=s.rank,
-                                epoch=run.epoch, base=run.base, pos=stop, step=run.step + j + 1, src=self.src)
+                                epoch=run.epoch, base=run.base, pos=stop, step=run.step + j + 1, src=self.src,
+                                permutation=s.permutation)
                 yield PlannedBatch(epoch=run.epoch, step=run.step + j, ids=run.ids[at - run.start:stop - run.start],
                                    cursor=cursor, samples_in_epoch=run.samples_in_epoch)
                 at = stop
@@ -217,4 +250,4 @@ class StreamPlan:
         s = self.spec
         return Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle, drop_last=s.drop_last,
                       seq_len=s.seq_len, world_size=s.world_size, rank=s.rank, epoch=0, base=0, pos=0, step=0,
-                      src=self.src)
+                      src=self.src, permutation=s.permutation)

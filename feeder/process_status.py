@@ -45,3 +45,4 @@ class ProcessStatus:
     threads: int
     processes: int
     jobs: tuple[JobStatus, ...]
+    building: tuple[str, ...] = ()   # builds under way (epoch orders), each with how far

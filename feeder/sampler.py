@@ -1,7 +1,8 @@
 """Which rank gets which sample: exactly torch's DistributedSampler, plus elastic re-dealing.
 
-Pure: no I/O, no gRPC. The permutation is torch.randperm's (same generator,
-same seed + epoch) so ids match torch id by id; everything else is integer arithmetic.
+Pure: no I/O, no gRPC. The permutation is the epoch's order (feeder.order: torch.randperm's, same generator, same
+seed + epoch, so ids match torch id by id; or the stateless one); everything else is integer
+arithmetic over positions of it.
 
 A *segment* generalises DistributedSampler for elastic restarts: the epoch's global order
 from position `base` on is dealt over `world` ranks with DistributedSampler's padding or
@@ -17,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from feeder.errors import FailedPrecondition
+from feeder import order
 
 
 def n_samples(n_tokens: int, seq_len: int) -> int:
@@ -36,83 +37,85 @@ _ORDER_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 _ORDER_LOCK = threading.Lock()
 # Bounded in bytes, not entries: ranks of a job drift apart by up to their prefetch, and on a
 # small dataset that is many epochs (each rank recomputed every epoch's order when this held
-# 8); on a huge one a single order is gigabytes. The newest two always stay.
+# 8). Orders larger than SMALL_ORDER are not here: the order store keeps them (memory-mapped
+# files, built once and shared by every process). The newest two always stay.
 _ORDER_CACHE_ENTRIES = 256
 _ORDER_CACHE_BYTES = 256 << 20
 _order_bytes = 0
+SMALL_ORDER = 1 << 22   # drawn in memory here (~40 ms); larger ones by the order store
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The epoch's global order of sample ids (shape [n], read-only).
+class OrderPending(Exception):
+    """The order a stream needs next is being built (elsewhere, or in the background): the
+    plan says so to its rank and asks again (str(e) says what is being built, how far)."""
 
-    Cached: every rank of a job, and every job with the same (n, seed, epoch), shares one.
-    int32 when it fits, which halves the memory of a large permutation.
-    """
+
+def _draw_in_memory(n: int, seed: int, kind: str):
+    return order.torch_randperm(n, seed, kind)[0]
+
+
+# Where torch's orders larger than SMALL_ORDER come from: get(n, seed, kind) -> an array, or
+# OrderPending; prepare(n, seed, kind) starts building one ahead of need. A server installs its
+# order store (feeder.order_store); without one (tests, audit, tools) they are drawn in
+# memory, synchronously, when asked.
+_large_orders = _draw_in_memory
+_prepare = None
+
+
+def use_order_store(store) -> None:
+    """Install where large torch orders come from (None: drawn in memory when asked)."""
+    global _large_orders, _prepare
+    _large_orders, _prepare = (store.get, store.prepare) if store is not None else (_draw_in_memory, None)
+
+
+def prepare_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "") -> None:
+    """Have epoch's order built ahead of need, where it is built at all (large, torch's)."""
+    if shuffle and kind != "stateless" and n > SMALL_ORDER and _prepare is not None:
+        _prepare(n, seed + epoch, kind)
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = ""):
+    """The epoch's global order of sample ids (an order: `order[positions]`, `len(order)`).
+
+    `kind` is the permutation (feeder.order.KINDS): torch's (materialized: cached here when
+    small, the order store's when large, so every rank of a job and every job with the same
+    (n, seed + epoch) share one) or stateless (computed per position). Raises OrderPending
+    while a large torch order is being built."""
+    if not shuffle:
+        return order.Identity(n)
+    if kind == "stateless":
+        return order.Stateless(n, seed + epoch)
+    if n > SMALL_ORDER:
+        return _large_orders(n, seed + epoch, kind)
+    return _cached(n, seed + epoch, kind)
+
+
+def _cached(n: int, seed: int, kind: str) -> np.ndarray:
     global _order_bytes
-    key = (n, seed, epoch, shuffle)
+    key = (n, seed, order.inside_out(kind, n))   # (every kind draws the same where the loop is the same)
     with _ORDER_LOCK:
         hit = _ORDER_CACHE.get(key)
         if hit is not None:
             _ORDER_CACHE.move_to_end(key)
             return hit
-    dtype = np.int32 if n < 2**31 else np.int64
-    if shuffle:
-        order = randperm(n, seed + epoch).astype(dtype, copy=False)
-    else:
-        order = np.arange(n, dtype=dtype)
-    order.setflags(write=False)
+    drawn = randperm(n, seed, kind)
+    drawn.setflags(write=False)
     with _ORDER_LOCK:
         if key not in _ORDER_CACHE:   # another thread may have drawn it meanwhile
-            _ORDER_CACHE[key] = order
-            _order_bytes += order.nbytes
+            _ORDER_CACHE[key] = drawn
+            _order_bytes += drawn.nbytes
         while len(_ORDER_CACHE) > 2 and (len(_ORDER_CACHE) > _ORDER_CACHE_ENTRIES
                                          or _order_bytes > _ORDER_CACHE_BYTES):
             _order_bytes -= _ORDER_CACHE.popitem(last=False)[1].nbytes
-    return order
+    return drawn
 
 
-def randperm(n: int, seed: int) -> np.ndarray:
-    """torch.randperm(n, generator=torch.Generator().manual_seed(seed)), without torch.
-
-    torch's CPU generator is MT19937 seeded with the low 32 bits of the seed (the classic
-    init_genrand, which numpy's legacy RandomState also uses), and for n < 2^32/20 randperm
-    is the Fisher-Yates loop `swap(r[i], r[i + draw % (n - i)])` over its 32-bit draws. The
-    loop runs in C (feeder/_shuffle.c) so the feeder need not import torch (~500 MB resident).
-    tests/test_sampler.py checks it against torch itself.
-    """
-    try:
-        from feeder._shuffle import fisher_yates
-    except ImportError:  # no C compiler at install: torch's own, at the cost of its memory
-        fisher_yates = None
-    if fisher_yates is None or n >= 2**32 // 20:
-        try:
-            import torch  # torch switches to another algorithm for huge n: use it there
-        except ImportError:  # torch is the client extra's: a feeder host may well not have it
-            why = "this many samples" if fisher_yates else "a feeder built without a C compiler"
-            raise FailedPrecondition(f"shuffling {n:,} samples needs torch's randperm ({why}): "
-                                     "pip install 'token-feeder[client]' on the feeder hosts") from None
-
-        g = torch.Generator()
-        g.manual_seed(seed)
-        return torch.randperm(n, generator=g).numpy()
-    draws = _mt19937(seed).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
-    order = np.arange(n, dtype=np.int64)
-    fisher_yates(order, draws)
-    return order
-
-
-_RNG = threading.local()
-
-
-def _mt19937(seed: int) -> np.random.RandomState:
-    """This thread's legacy MT19937, seeded with init_genrand(seed mod 2^32). Reseeding one costs
-    2 us; constructing a RandomState costs 220 us (it seeds from SeedSequence first), which was
-    most of an epoch's planning on a small dataset."""
-    rs = getattr(_RNG, "rs", None)
-    if rs is None:
-        rs = _RNG.rs = np.random.RandomState()
-    rs.seed(seed & 0xFFFFFFFF)
-    return rs
+def randperm(n: int, seed: int, kind: str = "") -> np.ndarray:
+    """torch.randperm(n, generator=torch.Generator().manual_seed(seed)), without torch, as
+    torch of `kind` draws it (feeder.order: the C loops of feeder/_shuffle.c; the feeder never
+    imports torch, ~500 MB resident). uint32 up to 2^32 ids. tests/test_order.py checks it
+    against torch itself, on both sides of torch 2.7's threshold."""
+    return order.torch_randperm(n, seed, kind)[0]
 
 
 def rank_ids(order: np.ndarray, *, base: int, world: int, rank: int, drop_last: bool,

@@ -12,8 +12,9 @@ from __future__ import annotations
 from feeder.config import StreamSpec
 from feeder.errors import FailedPrecondition
 
-# The epoch's order and its samples (with the dataset's fingerprint).
-SAMPLES = ("seq_len", "seed", "shuffle", "drop_last")
+# The epoch's order and its samples (with the dataset's fingerprint). `permutation` as the plan
+# agreed it (feeder.order.agreed): "" wherever the torch releases' orders are the same.
+SAMPLES = ("seq_len", "seed", "shuffle", "drop_last", "permutation")
 # Which of them are this rank's.
 DEAL = ("world_size", "rank")
 # How many batches each rank gets: ranks that disagree run different numbers of steps, and
@@ -35,8 +36,13 @@ def job_key(spec: StreamSpec) -> tuple:
 def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
     """The refusal of a rank whose job key differs from the one its job runs with."""
     name, ours, theirs = next((n, a, b) for n, a, b in zip(JOB, running, asked) if a != b)
+    hint = ""
+    if name == "permutation" and {ours, theirs} <= {"torch", "torch-legacy"}:
+        hint = (" The ranks' torch versions differ: torch before 2.7 ('torch-legacy') and from 2.7 ('torch') shuffle "
+                "this many samples differently, so the ranks would not share one order; install one torch release "
+                "on every rank (or choose permutation='stateless').")
     return FailedPrecondition(f"job {job!r} is running with {name}={ours!r}; this stream asks for "
-                              f"{name}={theirs!r}. Every rank of a job must agree.")
+                              f"{name}={theirs!r}. Every rank of a job must agree.{hint}")
 
 
 def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple[str, ...] | None = None

@@ -68,6 +68,7 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         out.rss_mb += r.rss_mb
         out.tasks += r.tasks
         out.threads += r.threads
+        out.building.extend(b for b in r.building if b not in out.building)
         for j in r.jobs:
             jobs.setdefault(j.job, j)
             for rank in j.ranks:

@@ -40,6 +40,8 @@ def render(reply, target: str):
     for col in ("job", "dataset", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",
                 "restarts", "failovers", "bad records", "last error"):
         t.add_column(col, justify="left" if col in left else "right")
+    if reply.building:
+        t.caption = "\n".join(reply.building)
     for j in reply.jobs:
         for r in j.ranks:
             pct = 100.0 * r.samples_done / r.samples_in_epoch if r.samples_in_epoch else 0.0

@@ -521,15 +521,15 @@ def test_the_second_review_a_corrupt_chunk_and_a_short_epoch_name_the_mixtures_p
 
 
 def test_found_by_the_outside_review_names_sizes_and_numpy_numbers(corpora, mixfeeder, tmp_path, monkeypatch):
-    """An epoch_samples too large to materialize is INVALID_ARGUMENT at once (it was INTERNAL,
-    retried); any printable source name without = or / is a name; a single existing directory
+    """An epoch_samples past int64 positions is INVALID_ARGUMENT at once (it was INTERNAL,
+    retried; issue 25 lifted the 2^31 cap of a materialized epoch); any printable source name without = or / is a name; a single existing directory
     whose name holds "=" (Hive style) is still one unnamed source; numpy's scalars are numbers."""
     import numpy as np
 
     from feeder.config import named_sources
 
     with pytest.raises(FeederError) as e:
-        take(ds(mixfeeder, "huge", 1, 0, {"web": 1, "code": 1}, epoch_samples=10**12, retry_for_s=3))
+        take(ds(mixfeeder, "huge", 1, 0, {"web": 1, "code": 1}, epoch_samples=2**63, retry_for_s=3))
     assert e.value.code == Code.INVALID_ARGUMENT and "epoch_samples must be at most" in str(e.value)
     assert named_sources(["日本語=/x", "a b=/y"]) == {"sources": (("日本語", "/x"), ("a b", "/y"))}
     with pytest.raises(FeederError, match="a name may not hold '/'"):   # (the second review)

@@ -231,17 +231,21 @@ def test_the_installed_packages_import_by_their_names_from_outside_the_tree(whee
     assert r.returncode == 0 and "--targets" in r.stdout, r.stderr[-3000:]
 
 
-def test_a_shuffle_that_needs_torch_says_so_where_torch_is_not_installed(monkeypatch):
-    """torch's randperm is still the fallback (past 2^32/20 samples, or without the C shuffle);
-    on a feeder host installed without the client extra that is a precise refusal
-    (FAILED_PRECONDITION through the servicer), not an ImportError from deep in a stream."""
-    from feeder import sampler
+def test_a_feeder_without_its_c_shuffle_refuses_torch_orders_and_serves_stateless_ones(monkeypatch):
+    """The feeder never imports torch (issue 25): torch's orders come from feeder/_shuffle.c at
+    every n. A feeder installed without a C compiler refuses them precisely (FAILED_PRECONDITION,
+    marked for another feeder to try), not with an ImportError from deep in a stream, and still
+    serves the stateless order (numpy)."""
+    import numpy as np
+
+    from feeder import order, sampler
     from feeder.errors import FailedPrecondition
 
-    monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ImportError
-    with pytest.raises(FailedPrecondition, match=r"shuffling 214,748,364 samples needs torch's randperm "
-                                                 r"\(this many samples\): pip install 'token-feeder\[client\]'"):
-        sampler.randperm(2**32 // 20, 1)
-    monkeypatch.setitem(sys.modules, "feeder._shuffle", None)
-    with pytest.raises(FailedPrecondition, match="a feeder built without a C compiler"):
-        sampler.randperm(10, 1)
+    monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ImportError: never needed
+    assert len(sampler.randperm(2**20, 1)) == 2**20
+    monkeypatch.setattr(order, "_c", None)             # "no C compiler at install"
+    with pytest.raises(FailedPrecondition, match="installed without its C shuffle") as e:
+        sampler.randperm(10, 1, "torch")
+    assert e.value.elsewhere
+    ids = sampler.epoch_order(1000, 1, 0, True, "stateless")[np.arange(1000)]
+    assert sorted(ids.tolist()) == list(range(1000))

@@ -114,18 +114,17 @@ def test_segment_is_distributed_sampler_over_the_rest_of_the_order(case, data):
 
 @_examples(100)
 @given(n=st.integers(0, 3000), seed=st.one_of(st.integers(0, 2**33), st.integers(0, U64)))
-def test_randperm_native_and_torch_fallback_equal_torch(n, seed):
-    """The C Fisher-Yates and the fallback without it (torch's own) give torch.randperm's permutation."""
+def test_randperm_of_both_torch_loops_equals_torch(n, seed):
+    """The C forward loop gives torch.randperm's permutation; in uint32 and uint64 alike."""
     import torch
 
-    import feeder._shuffle  # noqa: F401  (the native path must be the one tested first)
+    from feeder import order
 
     g = torch.Generator()
     g.manual_seed(seed)
     want = torch.randperm(n, generator=g).numpy()
     assert np.array_equal(sampler.randperm(n, seed), want)
-    with mock.patch.dict(sys.modules, {"feeder._shuffle": None}):   # "no C compiler at install"
-        assert np.array_equal(sampler.randperm(n, seed), want)
+    assert np.array_equal(order.torch_randperm(n, seed, "torch", out=np.empty(n, dtype=np.uint64))[0], want)
 
 
 # ----------------------------------------------------------------------------- 2. planning

@@ -28,6 +28,11 @@ from feeder.sources import Plan
 
 log = logging.getLogger("feeder.stream")
 MAX_BATCHES_PER_MESSAGE = 256
+# While a plan waits on something being built (Plan.waiting), the producer looks again every
+# WAITING_POLL_S and tells the rank every WAITING_EVERY_S (well inside its idle timeout).
+WAITING = object()
+WAITING_POLL_S = 0.2
+WAITING_EVERY_S = 2.0
 
 # Upper bounds (seconds) of the source read latency histogram.
 READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -335,8 +340,8 @@ class RankStream:
                 break
             if run is None:
                 break
-            if run is PENDING:  # nothing ready (a tailed topic): send what is taken
-                if out or self._finished:
+            if run is PENDING:  # nothing ready (a tailed topic, an order being built): send what is taken
+                if out or self._finished or self.plan.waiting:
                     break
                 continue
             if len(run) > want - got:
@@ -367,7 +372,7 @@ class RankStream:
         want = max(1, min(self._cap, -(-self.cfg.message_bytes // self._raw_batch_bytes)))
         items = self._take(want)
         if not items:
-            return None
+            return WAITING if self.plan.waiting else None
         try:
             block = self._block(items)
         except FeederError as e:  # from the source (corrupt shard, bad Kafka record, ...)
@@ -392,10 +397,20 @@ class RankStream:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
         try:
+            told = 0.0
             while True:
                 built = await loop.run_in_executor(self.pool, self._build_message)
                 if self._finished:
                     return
+                if built is WAITING:
+                    # The rank hears why nothing comes (and that this feeder is alive: it does
+                    # not fail over on its idle timeout while every feeder builds the same order).
+                    if not self._items and time.monotonic() - told >= WAITING_EVERY_S:
+                        told = time.monotonic()
+                        self._items.append(((None, self.plan.waiting), 0))
+                        self._changed.set()
+                    await asyncio.sleep(WAITING_POLL_S)
+                    continue
                 if built is None:
                     self._finish(None)
                     return
@@ -435,6 +450,9 @@ class RankStream:
                 self._bytes -= size
                 self._changed.set()
                 st = self.state
+                if block is None:   # waiting: `wire` says on what
+                    yield block, wire
+                    continue
                 if st is not None:
                     st.bad_records = self.plan.bad_records
                     st.kafka_lag = dict(self.plan.lag)

@@ -101,7 +101,7 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records,
                       client_started_ns=r.client_started_ns, continued=r.continued,
                       mixture=tuple((m.source, m.weight) for m in r.mixture), epoch_samples=r.epoch_samples,
-                      remix=r.remix)
+                      remix=r.remix, permutation=r.permutation)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
@@ -123,14 +123,14 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns,
         continued=s.continued if continued is None else continued,
         mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
-        remix=s.remix)
+        remix=s.remix, permutation=s.permutation)
 
 
 def status_reply(status: ProcessStatus) -> pb.StatusReply:
     """The StatusReply of a ProcessStatus (Engine.status)."""
     reply = pb.StatusReply(region=status.region, uptime_s=status.uptime_s, streams_open=status.streams_open,
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
-                           processes=status.processes)
+                           processes=status.processes, building=status.building)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from feeder import sampler
 from feeder.config import ServeConfig
 from feeder.engine import Engine
 from feeder.errors import Unavailable
@@ -69,6 +70,9 @@ class Server:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
+        # This process's streams take large torch orders from this feeder's store (the last
+        # started, where one process runs several feeders: tests, benchmarks).
+        sampler.use_order_store(self.engine.orders)
         self.stopped = asyncio.Event()
         self.metrics_server = None
         self.metrics_address = ""
@@ -159,6 +163,8 @@ class Server:
             self._publisher.cancel()
             self.engine.siblings.withdraw()
         self.engine.close()
+        if sampler._large_orders == self.engine.orders.get:   # (a stopped store builds nothing)
+            sampler.use_order_store(None)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.stopped.set()

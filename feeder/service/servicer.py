@@ -93,6 +93,9 @@ class FeederServicer(pb_grpc.FeederServicer):
         reason = "cancelled by client"
         try:
             async for msg, reply in stream.messages():
+                if msg is None:   # nothing to send yet: the rank is told why (`reply` says)
+                    yield pb.StreamReply(region=engine.cfg.region, waiting=reply).SerializeToString()
+                    continue
                 # Into the ledger before gRPC has it: a feeder killed right after the send
                 # must not leave a batch the rank received out of the ledger. A batch logged
                 # but never received is sent again by the next feeder, which the audit counts

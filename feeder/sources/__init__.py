@@ -35,6 +35,8 @@ class Plan(Protocol):
     start: Start         # where the stream starts (for logs)
     dtype: np.dtype      # of the tokens
     bad_records: int     # records skipped so far (Kafka; 0 elsewhere)
+    waiting: str         # why the next run is not ready when runs() yields PENDING and the rank
+                         # should hear it (an order being built); "" otherwise (a tailed topic)
 
     @property
     def lag(self) -> dict[int, int]:

@@ -20,7 +20,7 @@ from feeder import sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, Mixture
 from feeder.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
-from feeder.planning import PlannedRun, Start, StreamPlan
+from feeder.planning import PENDING, PlannedRun, Start, StreamPlan
 from feeder.rows import Rows
 from feeder.sources import ChunkTable
 from feeder.sources.posix import locate_rows
@@ -138,12 +138,17 @@ class MixturePlan:
             cursor = dataclasses.replace(cursor, fingerprint=src.fingerprint)
         # A remix re-deals as reshard does, so the cursor may name another world size (and the
         # plan checks the rest of the cursor before the re-deal below reads its fields).
+        # (the sources' permutations are orders too: the largest decides which torch releases agree)
         self.inner = StreamPlan(dataclasses.replace(spec, reshard=True) if remix else spec,
-                                n_tokens=n * spec.seq_len + 1, fingerprint=src.fingerprint, cursor=cursor, src=self.mix)
+                                n_tokens=n * spec.seq_len + 1, fingerprint=src.fingerprint, cursor=cursor, src=self.mix,
+                                largest=max(self.sizes))
+        self.spec = dataclasses.replace(spec, permutation=self.inner.spec.permutation)
         if remix:
             self.mix, self.inner.start = self._remix(cursor, cursor.src, want)
             self.inner.src = self.mix
         self.start = self.inner.start
+        self.waiting = ""
+        self._done = None   # after a remix: the positions of its epoch consumed before it
 
     def _resume(self, c: Cursor, want: Mixture) -> tuple[Mixture, bool]:
         """The mixture position a cursor resumes, and whether the stream remixes from it."""
@@ -182,18 +187,32 @@ class MixturePlan:
                                                                       pos=0, step=c.step)
 
     def runs(self, max_batches: int = 64) -> Iterator[PlannedRun]:
-        s, mix, done = self.spec, self.mix, None
         for run in self.inner.runs(max_batches):
-            if self.n <= mx.FILL_TABLE_MAX:   # the epoch's table, shared by the job's ranks: two takes
-                src, ids = mx.fills(mix, run.epoch, self.sizes, seed=s.seed, shuffle=s.shuffle)
-                src, ids = src[run.ids], ids[run.ids]
-            else:
-                if run.epoch == mix.ref_epoch and mix.mix_base and done is None:   # once per stream
-                    done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle))
-                src, draws = mx.sources_of(mix, run.epoch, run.ids, done)
-                ids = mx.sample_ids(mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle)
+            if run is PENDING:   # the epoch's order is being built
+                self.waiting = self.inner.waiting
+                yield run
+                continue
+            while True:   # a source's permutation, or the blending of a huge epoch, being built
+                try:
+                    src, ids = self._fill(run)
+                    break
+                except sampler.OrderPending as e:
+                    self.waiting = str(e)
+                    yield PENDING
+            self.waiting = ""
             yield PlannedRun(epoch=run.epoch, base=run.base, world=run.world, start=run.start, step=run.step, ids=ids,
                              stops=run.stops, samples_in_epoch=run.samples_in_epoch, sources=src, positions=run.ids)
+
+    def _fill(self, run: PlannedRun) -> tuple[np.ndarray, np.ndarray]:
+        """(source, id within it) of each position of the run."""
+        s, mix = self.spec, self.mix
+        if self.n <= mx.FILL_TABLE_MAX:   # the epoch's table, shared by the job's ranks: two takes
+            src, ids = mx.fills(mix, run.epoch, self.sizes, seed=s.seed, shuffle=s.shuffle, kind=s.permutation)
+            return src[run.ids], ids[run.ids]
+        if run.epoch == mix.ref_epoch and mix.mix_base and self._done is None:   # once per stream
+            self._done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle, s.permutation))
+        src, draws = mx.sources_of(mix, run.epoch, run.ids, self._done)
+        return src, mx.sample_ids(mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle, kind=s.permutation)
 
     def locate(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Rows:
         """Where each row lies: `starts` are within each row's own source."""

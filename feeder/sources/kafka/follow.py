@@ -7,6 +7,7 @@ next sample starts, so a restart replays exactly. No I/O here: that is the reade
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -34,9 +35,12 @@ class FollowPlan:
     `bad_records` and `close` are the reader's, for the pipeline. Its runs carry their tokens
     and cursors (the position is the interleave's offsets, not (epoch, base, pos, step))."""
 
+    waiting = ""   # PENDING means the topic has nothing new: a tailed topic, not a build
+
     def __init__(self, src, spec: StreamSpec, cursor: Cursor | None, policy: str, *,
                  reader: FollowReader | None = None):
-        self.spec, self.policy = spec, policy
+        # Records are dealt in topic order: no permutation, so none to agree on.
+        self.spec, self.policy = dataclasses.replace(spec, permutation=""), policy
         self._commit = src.commit_taken   # the job's consumer group, if it has one
         self.reader = reader if reader is not None else FollowReader.for_stream(src, spec, policy)
         self.topic, self.dtype = src.url.topic, src.dtype

@@ -1,0 +1,195 @@
+"""An epoch's order: the permutation of [0, n) that DistributedSampler deals from.
+
+Pure: numpy (and the C loops of feeder/_shuffle.c), no I/O. An order is anything that gives
+the ids at given positions, `order[positions]` or `order[a:b:step]` (int arrays), and its
+`len`. Three kinds:
+
+* torch's: exactly `torch.randperm(n, generator=manual_seed(seed + epoch))` of the client's
+  torch (`torch_randperm`). A sequential shuffle: it can only be materialized, O(n) once, then
+  read at random (feeder.order_store builds it once per (n, seed), memory-mapped and shared).
+  torch 2.7 changed the algorithm from 214,748,364 samples on (pytorch#143682); below that
+  every release agrees, so the kind a job names matters only for larger orders.
+* stateless (`Stateless`): a seeded random-access bijection of [0, n) (a Feistel network,
+  cycle-walked), O(1) memory and time per id at any n; a new one per seed + epoch.
+* identity (`Identity`): shuffle off.
+
+Permutation kinds (`KINDS`) are what a client asks for and a cursor records, by code:
+  ""             no kind named (an older client or cursor): torch's, valid only where every
+                 torch release agrees (n < TORCH_INSIDE_OUT_FROM)
+  "torch"        torch >= 2.7: forward below 214,748,364 samples, inside-out from there
+  "torch-legacy" torch < 2.7: the forward loop at every n
+  "stateless"    the Feistel order
+`agreed` maps a kind to the one that decides a stream's samples ("" wherever all torch kinds
+agree, or nothing is shuffled), so ranks and cursors are compared on what makes a difference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from feeder.errors import FailedPrecondition
+
+try:
+    from feeder import _shuffle as _c
+except ImportError:  # no C compiler at install: torch's kinds are refused, stateless runs in numpy
+    _c = None
+
+TORCH_INSIDE_OUT_FROM = (2**32 - 1) // 20   # torch: n < numeric_limits<uint32_t>::max() / 20
+KINDS = ("", "torch", "torch-legacy", "stateless")
+CHOICES = ("torch", "stateless")            # what a user chooses (FeederDataset(permutation=...))
+TORCH_KINDS = ("", "torch", "torch-legacy")
+
+
+def torch_kind(version: str) -> str:
+    """The kind of a torch release's randperm ("2.6.0+cu124" -> "torch-legacy")."""
+    try:
+        major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return "torch"   # a build we cannot read is a recent one (nightlies, local builds)
+    return "torch" if (major, minor) >= (2, 7) else "torch-legacy"
+
+
+def agreed(kind: str, largest: int, shuffle: bool) -> str:
+    """The kind that decides the orders of a stream whose largest permutation has `largest`
+    ids: "" where every torch release draws the same (or nothing is shuffled)."""
+    if kind not in KINDS:
+        raise FailedPrecondition(f"permutation {kind!r} is not known to this feeder (it knows {', '.join(KINDS[1:])}); "
+                                 "another feeder may", elsewhere=True)
+    if not shuffle or (kind in TORCH_KINDS and largest < TORCH_INSIDE_OUT_FROM):
+        return ""
+    if kind == "":
+        raise FailedPrecondition(
+            f"shuffling {largest:,} samples (>= {TORCH_INSIDE_OUT_FROM:,}) depends on the torch version (2.7 changed "
+            "randperm there), and this client does not say which it has: upgrade feeder_client on the ranks")
+    return kind
+
+
+def why_not_served(kind: str) -> str:
+    """Why this feeder cannot draw orders of `kind` ("" when it can)."""
+    if kind in TORCH_KINDS and kind and _c is None:
+        return f"this feeder was installed without its C shuffle (feeder/_shuffle.c), which {kind!r} orders need"
+    return ""
+
+
+class Identity:
+    """Shuffle off: position i holds id i."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return np.arange(*key.indices(self.n), dtype=np.int64)
+        return np.asarray(key, dtype=np.int64).copy()
+
+
+ROUNDS = 6   # a Feistel network's pseudo-randomness needs >= 4 rounds; 6 for margin
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (as in feeder/_shuffle.c), on uint64 arrays."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _round_keys(seed: int) -> np.ndarray:
+    """The network's keys: a splitmix64 stream from the seed (seed + epoch, as torch's)."""
+    state = np.uint64(seed % (1 << 64))
+    keys = np.empty(ROUNDS, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(ROUNDS):
+            state = state + np.uint64(0x9E3779B97F4A7C15)
+            keys[k] = _mix64(np.array([state], dtype=np.uint64))[0]
+    return keys
+
+
+class Stateless:
+    """A seeded bijection of [0, n), computed per position: O(1) memory, any n.
+
+    A balanced Feistel network over 2h bits (the smallest even width with 4^h >= n) is a
+    bijection of [0, 4^h) whatever its round function; walking its cycles until the value falls
+    below n makes it one of [0, n). 4^h < 4n, so a walk is under 4 steps on average. Grain's
+    index_shuffle, the usual stateless shuffle, is not a bijection at 2^k + 1 for even k >= 16;
+    this one is at every n (tests/test_order.py)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        bits = max(2, (max(n, 2) - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.keys = _round_keys(seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            positions = np.arange(*key.indices(self.n), dtype=np.int64)
+        else:
+            positions = np.ascontiguousarray(key, dtype=np.int64)
+            if positions.size and (positions.min() < 0 or positions.max() >= self.n):
+                raise IndexError(f"positions outside [0, {self.n})")
+        if self.n <= 1:
+            return positions.copy()
+        out = np.empty_like(positions)
+        if _c is not None:
+            _c.feistel(positions, out, self.n, self.half, self.keys)
+            return out
+        return self.walk(positions)
+
+    def _network(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
+        half, mask = np.uint64(self.half), np.uint64((1 << self.half) - 1)
+        left, right = x >> half, x & mask
+        keys = self.keys[::-1] if inverse else self.keys
+        with np.errstate(over="ignore"):
+            for k in keys:
+                if inverse:
+                    left, right = right ^ (_mix64(left ^ k) & mask), left
+                else:
+                    left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << half) | right
+
+    def walk(self, positions: np.ndarray, inverse: bool = False) -> np.ndarray:
+        """The ids at `positions` in numpy (the reference for the C loop); inverse=True gives
+        the positions of ids instead."""
+        x = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+        out = self._network(x, inverse)
+        todo = np.flatnonzero(out >= np.uint64(self.n))
+        while todo.size:
+            out[todo] = self._network(out[todo], inverse)
+            todo = todo[out[todo] >= np.uint64(self.n)]
+        return out.astype(np.int64)
+
+    def position_of(self, ids: np.ndarray) -> np.ndarray:
+        """Where each id lies in the order: the inverse permutation."""
+        if self.n <= 1:
+            return np.asarray(ids, dtype=np.int64).copy()
+        return self.walk(ids, inverse=True)
+
+
+def order_dtype(n: int) -> np.dtype:
+    """The narrowest type a materialized order of n ids is stored in."""
+    return np.dtype(np.uint32) if n <= 1 << 32 else np.dtype(np.uint64)
+
+
+def inside_out(kind: str, n: int) -> bool:
+    """Whether torch's randperm of `kind` draws n ids with the inside-out loop."""
+    return kind == "torch" and n >= TORCH_INSIDE_OUT_FROM
+
+
+def torch_randperm(n: int, seed: int, kind: str, out: np.ndarray | None = None,
+                   progress: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+    """torch.randperm(n) under manual_seed(seed), as torch of `kind` draws it, into `out` (a
+    new array of order_dtype(n) by default) -> (out, stopped). `progress`: int64[2], the steps
+    done (written as it runs) and a stop flag (set by another thread: returns early, stopped)."""
+    if _c is None:
+        raise FailedPrecondition(why_not_served(kind or "torch"), elsewhere=True)
+    if out is None:
+        out = np.empty(n, dtype=order_dtype(n))
+    stopped = _c.randperm(out, seed % (1 << 64), inside_out(kind, n), progress)
+    return out, stopped

@@ -1,0 +1,291 @@
+"""The order store: torch's large epoch orders, built once, kept narrow, memory-mapped, shared.
+
+torch.randperm is a sequential shuffle: an epoch of n samples can only be had by drawing all n
+(feeder.order.torch_randperm, O(n) time), so it is drawn once per (n, seed + epoch, loop) and
+kept as a file of uint32 ids (uint64 past 2^32) in the cache directory:
+`<cache>/orders/randperm-<fwd|io>-n<N>-s<SEED32>.u32`. Every process (`--processes N`), every job
+and every feeder that reads that directory (a region's shared filesystem) maps the one copy;
+only the pages read are resident. The next epoch's order is built in the background while this
+one is served (`prepare`), so an epoch boundary does not stall.
+
+One builder per file: an flock on `<file>.lock` elects it across processes and hosts; the
+others wait for the file to appear. The file is built in memory-backed space (/dev/shm where
+the cache directory is on a disk: a random-access shuffle over a disk-backed mapping is paced by
+writeback, ~4x slower) and moved into place complete (rename), so a reader never sees a partial
+order. Progress is kept per build (`builds()`: status, metrics, the log), and `stop()` (SIGTERM)
+ends a build within milliseconds. Files beyond `max_bytes` are removed oldest-used first.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from feeder import order
+from feeder.sampler import OrderPending
+
+log = logging.getLogger("feeder.orders")
+
+RETRY_S = 5.0           # a failed build (disk full, permissions) is tried again this often
+
+
+@dataclass
+class Build:
+    """One order being built (or waited for, when another process builds it)."""
+    name: str
+    n: int
+    started: float = field(default_factory=time.monotonic)
+    progress: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))   # [done, stop]
+    here: bool = True           # built by this process (else waited for)
+    error: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, int(self.progress[0]) / max(self.n, 1))
+
+    def describe(self) -> str:
+        elapsed = time.monotonic() - self.started
+        f = self.fraction
+        eta = f" (about {elapsed * (1 - f) / f:.0f} s left)" if f > 0.02 and self.here else ""
+        who = "building" if self.here else "waiting for another process to build"
+        return f"{who} the epoch's order of {self.n:,} samples ({self.name}): {f:.0%} after {elapsed:.0f} s{eta}"
+
+
+class OrderStore:
+    """Large torch orders for one feeder process (see the module doc)."""
+
+    def __init__(self, cache_dir: str, *, max_bytes: int = 64 << 30):
+        self.dir = os.path.join(cache_dir, "orders")
+        os.makedirs(self.dir, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._mapped: dict[str, np.ndarray] = {}      # name -> the file's mapping (read-only)
+        self._builds: dict[str, Build] = {}           # name -> in progress here or waited for
+        self._threads: dict[str, threading.Thread] = {}
+        self._stopped = False
+        self.built = 0            # builds finished by this process (metrics)
+        self.build_seconds = 0.0
+
+    # -- what the sampler calls (feeder.sampler.use_order_store) --
+    def get(self, n: int, seed: int, kind: str) -> np.ndarray:
+        """The order, or OrderPending (its build started, or waited for) saying how far it is."""
+        name = self.name(n, seed, kind)
+        with self._lock:
+            hit = self._mapped.get(name)
+        if hit is not None:
+            return hit
+        got = self._open(name, n)
+        if got is not None:
+            return got
+        b = self._start(name, n, seed, kind)
+        if b.error:
+            raise OrderPending(f"the build of {name} failed ({b.error}); trying again every {RETRY_S:.0f} s")
+        raise OrderPending(b.describe())
+
+    def prepare(self, n: int, seed: int, kind: str) -> None:
+        """Start building an order that will be needed soon, unless it exists or is under way."""
+        name = self.name(n, seed, kind)
+        with self._lock:
+            if name in self._mapped or name in self._builds:
+                return
+        if not os.path.exists(os.path.join(self.dir, name)):
+            self._start(name, n, seed, kind)
+
+    def builds(self) -> list[Build]:
+        with self._lock:
+            return list(self._builds.values())
+
+    def stop(self) -> None:
+        """End every build now (SIGTERM): their loops see the flag within ~10 ms."""
+        with self._lock:
+            self._stopped = True
+            for b in self._builds.values():
+                b.progress[1] = 1
+
+    # -- inside --
+    @staticmethod
+    def name(n: int, seed: int, kind: str) -> str:
+        loop = "io" if order.inside_out(kind, n) else "fwd"
+        # torch seeds MT19937 with the seed's low 32 bits: seeds equal mod 2^32 share an order
+        return f"randperm-{loop}-n{n}-s{seed & 0xFFFFFFFF}.u{8 * order.order_dtype(n).itemsize}"
+
+    def _open(self, name: str, n: int) -> np.ndarray | None:
+        path = os.path.join(self.dir, name)
+        try:
+            arr = np.memmap(path, dtype=order.order_dtype(n), mode="r", shape=(n,))
+        except (FileNotFoundError, ValueError):   # not there yet (or another process's partial name)
+            return None
+        os.utime(path)   # used: the last to be removed when the directory is over its budget
+        with self._lock:
+            self._mapped[name] = arr
+            while len(self._mapped) > 8:   # the mappings of epochs long gone (a job's ranks are close)
+                self._mapped.pop(next(iter(self._mapped)))
+        return arr
+
+    def _start(self, name: str, n: int, seed: int, kind: str) -> Build:
+        with self._lock:
+            b = self._builds.get(name)
+            if b is not None and (not b.error or time.monotonic() - b.started < RETRY_S):
+                return b   # (a failed build is tried again after RETRY_S, not at every poll)
+            b = self._builds[name] = Build(name=name, n=n)
+            if self._stopped:
+                b.progress[1] = 1
+            t = threading.Thread(target=self._build, args=(b, seed, kind), name=f"feeder-order-{n}", daemon=True)
+            self._threads[name] = t
+        t.start()
+        return b
+
+    def _build(self, b: Build, seed: int, kind: str) -> None:
+        path = os.path.join(self.dir, b.name)
+        try:
+            with open(path + ".lock", "a+b") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:   # another process builds it: wait for the file
+                    b.here = False
+                    self._wait_for_other(b, path, lock)
+                    return
+                if not os.path.exists(path):
+                    self._draw(b, path, seed, kind)
+                if os.path.exists(path):   # (a waiter that opened it finds the order there once it has it)
+                    os.unlink(path + ".lock")
+        except Exception as e:   # (disk full, permissions): the stream says so and asks again
+            b.error = str(e)
+            log.error("order %s: build failed: %s", b.name, e)
+        finally:
+            with self._lock:
+                if not b.error:
+                    self._builds.pop(b.name, None)
+                self._threads.pop(b.name, None)
+
+    def _wait_for_other(self, b: Build, path: str, lock) -> None:
+        """Another process holds the lock: take its progress from the sidecar, until the file
+        is there or the lock is free (the builder died: then build it here)."""
+        while not b.progress[1]:
+            if os.path.exists(path):
+                return
+            try:
+                b.progress[0] = int(open(path + ".progress").read() or 0)
+            except (OSError, ValueError):
+                pass
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(0.2)
+                continue
+            b.here = True   # the lock is ours: its holder is gone
+            if not os.path.exists(path):
+                raise RuntimeError("the process building it went away; building it here next")
+            return
+
+    def _draw(self, b: Build, path: str, seed: int, kind: str) -> None:
+        n, dtype = b.n, order.order_dtype(b.n)
+        size = n * dtype.itemsize
+        self._make_room(size)
+        scratch_dir = self.dir if _memory_backed(self.dir) else _shm_dir(size) or self.dir
+        fd, scratch = tempfile.mkstemp(prefix=f".{b.name}.", suffix=".part", dir=scratch_dir)
+        log.info("order %s: building %s (%.1f GB) in %s", b.name, f"{n:,} ids", size / 1e9, scratch_dir)
+        t0 = time.monotonic()
+        try:
+            with os.fdopen(fd, "r+b") as f:
+                f.truncate(size)
+                with mmap.mmap(f.fileno(), size) as mm:
+                    out = np.frombuffer(mm, dtype=dtype)
+                    reporter = threading.Thread(target=self._report, args=(b, path), daemon=True)
+                    reporter.start()
+                    stopped = order.torch_randperm(n, seed, kind, out=out, progress=b.progress)[1]
+                    del out   # (the mapping closes only once no array views it)
+                if stopped:
+                    raise _Stopped()
+                if scratch_dir != self.dir:   # onto the cache directory's filesystem, in one pass
+                    part = os.path.join(self.dir, os.path.basename(scratch))
+                    shutil.copyfile(scratch, part)
+                    os.unlink(scratch)
+                    scratch = part
+                os.replace(scratch, path)
+        except _Stopped:
+            log.info("order %s: build stopped at %.0f%%", b.name, 100 * b.fraction)
+            b.error = "stopped"
+            return
+        finally:
+            if os.path.exists(scratch):
+                os.unlink(scratch)
+            try:
+                os.unlink(path + ".progress")
+            except OSError:
+                pass
+        took = time.monotonic() - t0
+        self.built += 1
+        self.build_seconds += took
+        log.info("order %s: built in %.1f s", b.name, took)
+
+    def _report(self, b: Build, path: str) -> None:
+        """Progress into the log every 10 % and into a sidecar other processes read."""
+        shown = 0
+        while b.name in self._builds and not b.progress[1] and b.fraction < 1:
+            f = b.fraction
+            if f >= shown + 0.1:
+                shown = int(f * 10) / 10
+                log.info("%s", b.describe())
+            try:
+                with open(path + ".progress", "w") as p:
+                    p.write(str(int(b.progress[0])))
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    def _make_room(self, size: int) -> None:
+        """Remove the least recently used orders until `size` more bytes fit in max_bytes."""
+        files = []
+        for e in os.scandir(self.dir):
+            if e.name.startswith("randperm-") and not e.name.endswith((".lock", ".progress")):
+                st = e.stat()
+                files.append((st.st_mtime, st.st_size, e.path))
+        total = sum(s for _, s, _ in files)
+        for _, s, p in sorted(files):
+            if total + size <= self.max_bytes:
+                break
+            os.unlink(p)   # (a process that maps it keeps its pages; a new one builds it again)
+            total -= s
+            log.info("order cache: removed %s (over %.1f GB)", os.path.basename(p), self.max_bytes / 1e9)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _memory_backed(path: str) -> bool:
+    return _fs_type(path) in ("tmpfs", "ramfs")
+
+
+def _fs_type(path: str) -> str:
+    """The filesystem type of `path` from /proc/mounts (longest mount point that holds it)."""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) > len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _shm_dir(size: int) -> str | None:
+    """/dev/shm when it has room for a build twice over (else build in the cache directory)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize > 2 * size else None

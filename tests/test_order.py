@@ -1,0 +1,329 @@
+"""An epoch's order at scale (issue 25): torch's randperm without torch at every n, the stateless
+order, the order store (built once, shared, waited for), and the refusals that keep ranks exact.
+
+Large corpora are sparse files (`truncate`): they cost no disk. Real `feeder serve` processes,
+real gRPC; torch's own randperm (in this process) is the oracle."""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from feeder import order, sampler
+from feeder.cursor import Cursor
+from feeder.errors import Code, FeederError
+from feeder.order import TORCH_INSIDE_OUT_FROM as T
+from feeder_client import FeederDataset
+from tests.helpers import FeederProc
+
+VOCAB = ["--vocab-size", "256", "--eos-id", "0"]
+
+
+def flat_corpus(tmp_path, n_samples: int, seq_len: int = 1):
+    """A sparse nanoGPT .bin (uint16 zeros) of exactly n_samples samples of seq_len."""
+    path = tmp_path / "flat.bin"
+    with open(path, "wb") as f:
+        f.truncate((n_samples * seq_len + 1) * 2)
+    return path
+
+
+def torch_rank_ids(n: int, world: int, rank: int, seed: int, epoch: int = 0) -> list[int]:
+    """DistributedSampler's list for `rank` (torch's own class)."""
+    from torch.utils.data import DistributedSampler
+
+    s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+def served(feeder, *, n_batches: int, **kw):
+    kw = {"job": "j", "rank": 0, "world_size": 1, "seq_len": 1, "micro_batch": 4, "seed": 5, "retry_for_s": 30,
+          **kw}
+    ds = FeederDataset([feeder.address] if hasattr(feeder, "address") else feeder, **kw)
+    out = []
+    for b in ds:
+        out.append(b)
+        if len(out) >= n_batches:
+            break
+    ds.client.close()
+    return out
+
+
+def loaded_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+# -- torch's order, without torch, on both sides of torch 2.7's threshold ---------------------------
+
+@pytest.mark.parametrize("n", [T - 1, T])
+def test_the_feeder_serves_torchs_order_on_both_sides_of_the_threshold_without_loading_torch(tmp_path, n):
+    """n = 214,748,363 is drawn by the forward loop, n = 214,748,364 by the inside-out one (torch
+    >= 2.7): the served ids are torch.randperm's of this process, id by id, for two ranks; the
+    feeder process never maps libtorch."""
+    f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--cache-dir", str(tmp_path / "cache")])
+    try:
+        world = 3
+        g = torch.Generator()
+        g.manual_seed(5)
+        perm = torch.randperm(n, generator=g)
+        for rank in range(2):
+            got = [i for b in served(f, n_batches=3, rank=rank, world_size=world) for i in b.sample_ids.tolist()]
+            assert got == perm[rank::world][:len(got)].tolist()
+        assert not loaded_torch(f.proc.pid)
+        built = list((tmp_path / "cache" / "orders").glob("randperm-*"))   # (no lock or progress file left)
+        assert [p.name for p in built] == [f"randperm-{'io' if n >= T else 'fwd'}-n{n}-s5.u32"]
+        assert built[0].stat().st_size == 4 * n   # stored narrow: uint32
+    finally:
+        f.stop()
+
+
+def test_the_legacy_order_is_the_forward_loop_at_every_n():
+    """torch before 2.7 drew every n with the forward loop over 32-bit draws (pytorch#143682
+    changed it). That loop is the one checked against torch here below the threshold; above it,
+    golden values of the first and last ids of randperm(214,748,364) under seed 5."""
+    got, _ = order.torch_randperm(T, 5, "torch-legacy")
+    assert got[:8].tolist() == [94459955, 22248452, 89044615, 134552112, 28858570, 58999562, 79933354, 126465457]
+    assert got[-4:].tolist() == [166123219, 172956920, 51570813, 109153578]
+    assert order.torch_kind("2.6.0+cu124") == "torch-legacy" and order.torch_kind("2.7.1") == "torch"
+    assert order.torch_kind(torch.__version__) == "torch"   # this test process's torch
+
+
+def test_ranks_whose_torch_versions_disagree_are_refused_only_where_it_matters(tmp_path):
+    """Below the threshold every torch release draws the same order: ranks on torch 2.6 and 2.8
+    serve one job. From it on they would not share an order: the second is refused, saying why."""
+    small = FeederProc(flat_corpus(tmp_path, 1000), extra=VOCAB)
+    tmp_big = tmp_path / "big"
+    tmp_big.mkdir()
+    big = FeederProc(flat_corpus(tmp_big, T), extra=[*VOCAB, "--cache-dir", str(tmp_path / "cache")])
+    try:
+        a = FeederDataset([small.address], job="mixed", rank=0, world_size=2, seq_len=1, micro_batch=4,
+                          permutation="torch-legacy")
+        b = FeederDataset([small.address], job="mixed", rank=1, world_size=2, seq_len=1, micro_batch=4,
+                          permutation="torch", retry_for_s=5)
+        ita, itb = iter(a), iter(b)
+        ids = next(ita).sample_ids.tolist() + next(itb).sample_ids.tolist()
+        assert ids == torch_rank_ids(1000, 2, 0, 0)[:4] + torch_rank_ids(1000, 2, 1, 0)[:4]
+        a.client.close(), b.client.close()
+
+        old = FeederDataset([big.address], job="big", rank=0, world_size=2, seq_len=1, micro_batch=4,
+                            permutation="torch-legacy", retry_for_s=60)
+        it = iter(old)
+        next(it)   # (builds the legacy order)
+        new = FeederDataset([big.address], job="big", rank=1, world_size=2, seq_len=1, micro_batch=4,
+                            permutation="torch", retry_for_s=3)
+        with pytest.raises(FeederError) as e:
+            next(iter(new))
+        assert e.value.code == Code.FAILED_PRECONDITION
+        assert "permutation='torch-legacy'" in str(e.value) and "torch versions differ" in str(e.value)
+        old.client.close()
+    finally:
+        small.stop()
+        big.stop()
+
+
+# -- the order store: built once, shared, waited for, failed over -------------------------------------
+
+def hold_lock(path, seconds: float) -> subprocess.Popen:
+    """Another process that holds the build lock of `path` (as a builder elsewhere would)."""
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+b'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(float(sys.argv[2]))")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact(tmp_path):
+    """Feeder A has the epoch's order in its cache; feeder B's cache directory has its build held
+    by another process. The rank, killed off A, fails over to B, which tells it that it is
+    waiting for the build (the rank's 3 s idle timeout never fires: no failover storm), then
+    builds it itself when the other builder goes away, and serves exactly what A would have."""
+    n = sampler.SMALL_ORDER + 12_345          # just past what is drawn in memory: a stored order
+    data = flat_corpus(tmp_path, n)
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    a = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_a)])
+    b = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_b), "--metrics-port", "0"])
+    os.makedirs(cache_b / "orders", exist_ok=True)   # (the feeder made it at start)
+    name = f"randperm-fwd-n{n}-s5.u32"
+    holder = hold_lock(cache_b / "orders" / (name + ".lock"), 6)
+    want = torch_rank_ids(n, 2, 1, 5)
+    try:
+        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=1, micro_batch=16,
+                           seed=5, idle_timeout_s=3, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
+        got, t_kill = [], None
+        for batch in ds:
+            got += batch.sample_ids.tolist()
+            if len(got) == 64:
+                a.signal(signal.SIGKILL)
+                t_kill = time.monotonic()
+            if len(got) >= 16 * 200:   # far past what A had sent ahead
+                break
+        ds.client.close()
+        assert got == want[:len(got)]
+        assert (cache_a / "orders" / name).exists() and (cache_b / "orders" / name).exists()
+        assert time.monotonic() - t_kill >= 3   # B waited for its build: the rank stayed with it
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://{b.metrics}/metrics", timeout=10).read().decode()
+        assert "feeder_orders_built_total 1.0" in text
+        assert "feeder_failovers_total" in text
+    finally:
+        holder.kill()
+        a.stop()
+        b.stop()
+
+
+def test_status_shows_a_build_and_sigterm_ends_it_at_once(tmp_path):
+    """A feeder building a 10^9-sample order shows it in `feeder status`; SIGTERM ends the feeder
+    within seconds, build or not (it went on building for minutes before)."""
+    n = 10**9
+    f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--cache-dir", str(tmp_path / "cache")])
+    try:
+        ds = FeederDataset([f.address], job="big", rank=0, world_size=8, seq_len=1, micro_batch=4, retry_for_s=60)
+        it = iter(ds)
+        import threading
+
+        threading.Thread(target=lambda: next(it, None), daemon=True).start()
+        deadline, text = time.monotonic() + 30, ""
+        while time.monotonic() < deadline and "building the epoch's order" not in text:
+            time.sleep(0.5)
+            text = subprocess.run([sys.executable, "-m", "feeder.cli", "status", "--target", f.address],
+                                  capture_output=True, text=True, timeout=30).stdout
+        assert "building the epoch's order of 1,000,000,000 samples" in text.replace("\n", " "), text
+        t0 = time.monotonic()
+        f.proc.send_signal(signal.SIGTERM)
+        f.proc.wait(15)
+        assert time.monotonic() - t0 < 10
+        assert not list((tmp_path / "cache" / "orders").glob("randperm-*.u32"))   # no partial order left
+        ds.client.close()
+    finally:
+        f.stop()
+
+
+def test_a_cursor_naming_a_permutation_a_feeder_lacks_is_refused_and_the_rank_moves_on(tmp_path):
+    """A feeder installed without its C shuffle cannot draw torch's orders: it refuses the stream
+    FAILED_PRECONDITION marked for elsewhere, and the rank resumes on the next feeder, exactly.
+    A cursor naming a permutation kind this release does not know is refused the same way."""
+    data = flat_corpus(tmp_path, 5000)
+    code = ("import sys; sys.modules['feeder._shuffle'] = None; from feeder.cli import main; "
+            "sys.argv[0] = 'feeder'; main()")
+    lacking = subprocess.Popen([sys.executable, "-c", code, "serve", "--source", str(data), *VOCAB, "--listen",
+                                "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = lacking.stdout.readline()
+    assert "listening on" in line, line
+    lacking_at = line.split("listening on ")[1].split()[0]
+    good = FeederProc(data, extra=VOCAB)
+    try:
+        first = served(good, n_batches=2, world_size=2, seed=9)
+        ds = FeederDataset([lacking_at, good.address], job="j", rank=0, world_size=2, seq_len=1, micro_batch=4,
+                           seed=9, cursor=first[0].cursor, prefer="order", retry_for_s=30)
+        it = iter(ds)
+        assert next(it).sample_ids.tolist() == first[1].sample_ids.tolist()
+        ds.client.close()
+
+        import dataclasses
+
+        from feeder import cursor as cursor_mod
+
+        c = Cursor.decode(first[0].cursor, b"")
+        with pytest.MonkeyPatch.context() as mp:   # a newer feeder's kind, at index 9
+            mp.setattr(cursor_mod, "KINDS", (*order.KINDS, *(f"new{i}" for i in range(len(order.KINDS), 10))))
+            forged = dataclasses.replace(c, permutation="new9").encode(b"")
+        stub_ch = grpc.insecure_channel(good.address)
+        from feeder.service.convert import stream_request
+        from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(pb_grpc.FeederStub(stub_ch).Stream(stream_request(ds.spec, forged))))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "permutation kind 9" in e.value.details()
+        assert any(k == "feeder-elsewhere" for k, _ in e.value.trailing_metadata())
+        stub_ch.close()
+    finally:
+        lacking.kill()
+        good.stop()
+
+
+# -- the stateless order ---------------------------------------------------------------------------
+
+def test_stateless_is_a_bijection_for_every_n_up_to_2_16():
+    """Every n in 1..2^16, each whole: the ids are a permutation of [0, n)."""
+    for n in range(1, 2**16 + 1):
+        ids = order.Stateless(n, n)[np.arange(n)]
+        assert np.array_equal(np.sort(ids), np.arange(n)), n
+
+
+@pytest.mark.parametrize("k", range(2, 41))
+def test_stateless_is_a_bijection_around_every_power_of_two(k):
+    """n = 2^k - 1, 2^k, 2^k + 1 (Grain's index_shuffle maps 2^16 and 0 alike at 2^16 + 1): by
+    sampling, every id is in range and maps back to its position (an injection, so a bijection
+    of the finite set), C and numpy alike; 0 and n - 1 never collide."""
+    rng = np.random.default_rng(k)
+    for n in (2**k - 1, 2**k, 2**k + 1):
+        o = order.Stateless(n, 1234 + k)
+        pos = np.unique(np.concatenate([rng.integers(0, n, 2000), [0, n - 1, min(2**16, n - 1)]]))
+        ids = o[pos]
+        assert ids.min() >= 0 and ids.max() < n
+        assert np.array_equal(o.position_of(ids), pos)
+        assert np.array_equal(o.walk(pos), ids)
+        assert len(np.unique(ids)) == len(pos)
+
+
+def test_stateless_orders_differ_per_epoch_and_seed_and_deal_as_distributed_sampler(tmp_path):
+    """Served over a real feeder with permutation="stateless": each rank's ids are
+    DistributedSampler's dealing (interleave, padding) of the stateless order of seed + epoch; a
+    new order each epoch; resume from a cursor continues exactly; a cursor of the stateless order
+    is refused by a torch-order stream (and the other way round), saying which."""
+    n, world = 1003, 3
+    f = FeederProc(flat_corpus(tmp_path, n), extra=VOCAB)
+    try:
+        for rank in range(world):
+            got = served(f, n_batches=10**6, rank=rank, world_size=world, num_epochs=2, permutation="stateless",
+                         micro_batch=50)
+            for epoch in (0, 1):
+                perm = order.Stateless(n, 5 + epoch)[np.arange(n)]
+                per = -(-n // world)
+                padded = np.concatenate([perm, perm[:per * world - n]])
+                want = padded[rank::world].tolist()
+                assert [i for b in got if b.epoch == epoch for i in b.sample_ids.tolist()] == want
+        e0 = order.Stateless(n, 5)[np.arange(n)]
+        assert not np.array_equal(e0, order.Stateless(n, 6)[np.arange(n)])
+        first = served(f, n_batches=3, world_size=world, permutation="stateless")
+        again = served(f, n_batches=2, world_size=world, permutation="stateless", cursor=first[0].cursor)
+        assert [b.sample_ids.tolist() for b in again] == [b.sample_ids.tolist() for b in first[1:]]
+        with pytest.raises(FeederError) as e:
+            served(f, n_batches=1, world_size=world, permutation="torch", cursor=first[0].cursor, retry_for_s=3)
+        assert e.value.code == Code.FAILED_PRECONDITION and "permutation differs" in str(e.value)
+        assert "'stateless'" in str(e.value)
+    finally:
+        f.stop()
+
+
+def test_ids_past_2_32_reach_the_rank_and_resume_exactly(tmp_path):
+    """A 10^10-sample corpus (a 20 GB sparse file) with the stateless order: ids above 2^32 on the
+    wire, in cursors and in the ledger; `feeder audit` counts them; resume is exact."""
+    n = 10**10
+    ledger = tmp_path / "ledger.jsonl"
+    f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--ledger", str(ledger)])
+    try:
+        first = served(f, n_batches=4, world_size=1000, rank=999, permutation="stateless", micro_batch=64)
+        ids = [i for b in first for i in b.sample_ids.tolist()]
+        o = order.Stateless(n, 5)
+        assert ids == o[999 + 1000 * np.arange(len(ids))].tolist()
+        assert max(ids) > 2**32
+        again = served(f, n_batches=2, world_size=1000, rank=999, permutation="stateless", micro_batch=64,
+                       cursor=first[1].cursor)
+        assert [b.sample_ids.tolist() for b in again] == [b.sample_ids.tolist() for b in first[2:]]
+        assert not loaded_torch(f.proc.pid)
+    finally:
+        f.stop()
+    logged = ledger.read_text()
+    assert str(max(ids)) in logged

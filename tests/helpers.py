@@ -51,9 +51,18 @@ def byte_stream(docs: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, drop_last: bool, epoch: int) -> list[int]:
-    s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, drop_last: bool, epoch: int,
+                  permutation: str = "torch") -> list[int]:
+    """torch's DistributedSampler's list; with the stateless order, its dealing (interleave,
+    padding, drop_last) of the positions, each mapped through that epoch's stateless order."""
+    stateless = shuffle and permutation == "stateless"
+    s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle and not stateless, seed=seed,
+                           drop_last=drop_last)
     s.set_epoch(epoch)
+    if stateless:
+        from feeder.order import Stateless
+
+        return Stateless(n, seed + epoch)[np.asarray(list(s), dtype=np.int64)].tolist()
     return list(s)
 
 

@@ -34,18 +34,22 @@ def megatron_blend(weights, size):
 
 
 @functools.lru_cache(maxsize=4096)
-def source_perm(n, seed, name, cycle, shuffle):
+def source_perm(n, seed, name, cycle, shuffle, permutation="torch"):
     if not shuffle:
         return tuple(range(n))
     s = (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
+    if permutation == "stateless":
+        from feeder.order import Stateless
+
+        return tuple(Stateless(n, s + cycle)[list(range(n))].tolist())
     return tuple(torch.randperm(n, generator=torch.Generator().manual_seed(s + cycle)).tolist())
 
 
 class Oracle:
     """What a rank must get, epoch by epoch, for one mixture that never changes."""
 
-    def __init__(self, names, sizes, weights, n, seed, shuffle, drop_last):
-        self.names, self.sizes, self.n = names, sizes, n
+    def __init__(self, names, sizes, weights, n, seed, shuffle, drop_last, permutation="torch"):
+        self.names, self.sizes, self.n, self.permutation = names, sizes, n, permutation
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.index, self.draw = megatron_blend(weights, n)
         self.per_epoch = Counter(self.index)
@@ -54,11 +58,11 @@ class Oracle:
         d = self.index[p]
         k = epoch * self.per_epoch[d] + self.draw[p]
         cycle, r = divmod(k, self.sizes[d])
-        return d, source_perm(self.sizes[d], self.seed, self.names[d], cycle, self.shuffle)[r]
+        return d, source_perm(self.sizes[d], self.seed, self.names[d], cycle, self.shuffle, self.permutation)[r]
 
     def rank(self, world, rank, epoch):
         pos = reference_ids(self.n, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
-                            epoch=epoch)
+                            epoch=epoch, permutation=self.permutation)
         return [self.fill(epoch, p) for p in pos]
 
     def fills(self, epoch):

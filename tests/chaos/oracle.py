@@ -40,7 +40,8 @@ class Oracle:
             self.streams = [c.stream for c in run.sources]
             self.mix = MixtureOracle([m[0] for m in self.sc.mixture], [n_samples(len(s), L) for s in self.streams],
                                      [m[1] for m in self.sc.mixture], self.n, seed=self.sc.data_seed,
-                                     shuffle=self.sc.shuffle, drop_last=self.sc.drop_last)
+                                     shuffle=self.sc.shuffle, drop_last=self.sc.drop_last,
+                                     permutation=self.sc.permutation)
             self._fills: dict[int, list] = {}
 
     def fills(self, epoch: int) -> list:
@@ -62,7 +63,7 @@ class Oracle:
         key = (world, rank, epoch)
         if key not in self._ref:
             pos = reference_ids(self.n, world, rank, shuffle=self.sc.shuffle, seed=self.sc.data_seed,
-                                drop_last=self.sc.drop_last, epoch=epoch)
+                                drop_last=self.sc.drop_last, epoch=epoch, permutation=self.sc.permutation)
             fill = self.fills(epoch)
             self._ref[key] = [fill[p] for p in pos]
         return self._ref[key]

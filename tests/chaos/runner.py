@@ -412,7 +412,7 @@ class ScenarioRun:
                    reshard=reshard, read_ahead=sc.read_ahead, compression=sc.compression, retry_for_s=RANK_RETRY_FOR_S,
                    failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
-                   mixture=[(name, w) for name, w, _ in sc.mixture])
+                   mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation)
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()

@@ -15,6 +15,8 @@ FAULT_KINDS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "corrupt",
 FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
 # The share of scenarios that stream a mixture of several sources (issue 18) instead of one.
 MIXTURE_SHARE = 0.3
+# The share that ask for the stateless order (issue 25) instead of torch's.
+STATELESS_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Scenario:
     # A mixture of sources ((name, weight, n_docs), ...): the feeders serve each corpus by name
     # and the ranks ask for the mixture; () = the one corpus of n_docs.
     mixture: tuple[tuple[str, float, int], ...] = ()
+    # The epoch's order (issue 25): torch's randperm, or the stateless bijection.
+    permutation: str = "torch"
 
     @property
     def job(self) -> str:
@@ -80,7 +84,8 @@ class Scenario:
                 f"targets={self.targets}x{self.processes}p{' spread' if self.spread else ''} "
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
-                + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else ""))
+                + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else "")
+                + (f" permutation={self.permutation}" if self.permutation != "torch" else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -168,9 +173,10 @@ class Scenario:
             k = rng.choice((2, 2, 3))
             mixture = tuple((f"s{i}", rng.choice((0.1, 0.3, 1.0, 2.0, 5.0)), rng.choice((20, 60, n_docs)))
                             for i in range(k))
+        permutation = "stateless" if rng.random() < STATELESS_SHARE else "torch"   # (last of all, likewise)
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
-                        mixture=mixture)
+                        mixture=mixture, permutation=permutation)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

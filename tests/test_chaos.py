@@ -4,7 +4,8 @@ COVERAGE together covers every fault kind (feeder SIGKILL/SIGTERM/SIGSTOP, reset
 through a proxy, a corrupt replica, a superseding stream, a trainer restart from a checkpoint,
 a world-size change, a new DataLoader pass, a rank disagreeing with its job) and every worker
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
-spread over feeders, finite and unbounded streams, one dataset and mixtures of several. Each scenario is a few seconds.
+spread over feeders, finite and unbounded streams, one dataset and mixtures of several, torch's
+order and the stateless one. Each scenario is a few seconds.
 
 The regression tests replay seeds that found a bug on the code before the fixes of audit
 findings 1-4 (1be1a8d); `python -m tests.chaos --seed N` replays one by hand and keeps the work
@@ -40,6 +41,7 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
     assert {sc.workers for sc in scs} >= {0, 1, 2, 3}
     assert any(sc.processes > 1 for sc in scs) and any(sc.num_epochs == 0 for sc in scs)
     assert any(sc.mixture for sc in scs) and any(not sc.mixture for sc in scs)   # mixtures too (issue 18)
+    assert {sc.permutation for sc in scs} == {"torch", "stateless"}              # both orders (issue 25)
 
 
 def test_regression_seeds_are_pinned_to_the_scenarios_that_failed():

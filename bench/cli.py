@@ -26,9 +26,10 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
     s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
-    s.add_argument("--only", choices=["formats", "mixture"], default="",
+    s.add_argument("--only", choices=["formats", "mixture", "scale"], default="",
                    help="formats: only tokens/s from each other tool's format against our shards; mixture: "
-                        "only a mixture of 3 sources against one source")
+                        "only a mixture of 3 sources against one source; scale: first batch and feeder memory "
+                        "from 10^6 to 10^10 samples per order, and mixtures of 10^9 and 10^10 positions")
 
 
 HELP = "measure the feeder against a raw socket, bare gRPC and a local DataLoader"
@@ -58,6 +59,11 @@ def cmd_bench(args) -> int:
                       seconds=args.seconds, message_bytes=args.message_bytes, kafka=args.kafka, quick=args.quick,
                       rounds=args.rounds, only=args.only, corpus_bytes=(2 << 20) if args.quick else (12 << 20))
     r = run(cfg, json_path=args.json, plot_path=args.plot)
+    if args.only == "scale":
+        from .scale import scale_table
+
+        print(scale_table(r))
+        return 0
     print(table(r))
     if args.json:
         print(f"wrote {args.json}")

@@ -143,7 +143,7 @@ def _drive_counting(args) -> dict:
     per byte, so the readers take fewer of the cores the servers they measure run on.
     "h2-discard": the same reader, the kernel dropping the message bodies it never looks at
     (MSG_TRUNC), so reading costs next to nothing: a stand-in for ranks on other hosts."""
-    addresses, job, ranks, world, seq_len, mb, seconds, warm_s, reader, mixture = args
+    addresses, job, ranks, world, seq_len, mb, seconds, warm_s, reader, mixture, permutation = args
     from feeder.v1 import feeder_pb2 as pb
 
     from .h2count import count_stream
@@ -157,8 +157,8 @@ def _drive_counting(args) -> dict:
             return b""
         return pb.StreamRequest(job=job, rank=r, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0,
                                 seed=1, compression=pb.COMPRESSION_NONE,
-                                mixture=[pb.MixtureSource(source=n, weight=w) for n, w in mixture]
-                                ).SerializeToString()
+                                mixture=[pb.MixtureSource(source=n, weight=w) for n, w in mixture],
+                                permutation=permutation).SerializeToString()
 
     def per_byte(first: bytes) -> float:
         if job is None:
@@ -254,7 +254,7 @@ class Clients:
         return tot
 
     def count(self, addresses, job, world, *, seq_len, mb, seconds=4.0, warm_s=1.0, reader="grpcio",
-              mixture=()) -> dict:
+              mixture=(), permutation="torch") -> dict:
         """Aggregate tokens/s of `world` counting-only streams (see _drive_counting), and the
         readers' CPU seconds per GB taken (all client processes together). `mixture`: ((name,
         weight), ...) to stream a mixture of the feeder's named sources."""
@@ -262,7 +262,7 @@ class Clients:
             raise ValueError(f"reader {reader!r}: expected one of {', '.join(READERS)}")
         parts = [list(range(world))[i::self.n] for i in range(self.n)]
         results = self.pool.map(_drive_counting, [(addresses, job, p, world, seq_len, mb, seconds, warm_s, reader,
-                                                   mixture) for p in parts if p])
+                                                   mixture, permutation) for p in parts if p])
         errors = [e for r in results for e in r["errors"]]
         if errors:
             raise RuntimeError(f"counting clients ({reader}) failed: {errors[:3]}")

@@ -35,6 +35,10 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         try:
             if cfg.only == "formats":
                 res.update(format_figures(cfg, data, clients))
+            elif cfg.only == "scale":
+                from .scale import scale_figures
+
+                res.update(scale_figures(cfg))
             else:
                 _mixture(cfg, data, clients, feeders, res)
         finally:

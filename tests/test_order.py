@@ -328,3 +328,27 @@ def test_ids_past_2_32_reach_the_rank_and_resume_exactly(tmp_path):
         f.stop()
     logged = ledger.read_text()
     assert str(max(ids)) in logged
+
+
+# -- mixtures past 2^24 positions: the blending from checkpoints ----------------------------------
+
+@pytest.mark.parametrize("weights", [(1.0,), (0.7, 0.3), (1, 1), (0.5, 0, 0.25, 0.25), (1, 2, 3),
+                                     (5, 1, 1, 1, 0.1), (1,) * 8, (3, 1, 4, 1, 5, 9, 2, 6, 5)])
+def test_the_blending_from_checkpoints_is_the_materialized_one_bit_for_bit(weights):
+    """Any slot's (source, draw) and the counts of any prefix, from checkpoints every
+    BLEND_EVERY slots, equal the materialized blending (ties, weight-0 sources, 1 to 9 sources:
+    each of the C scan's paths), including the slots next to a checkpoint."""
+    from feeder import mixture as mx
+
+    w = mx.normalized(weights)
+    size = 61 * mx.BLEND_EVERY + 17
+    index, draw, counts = mx.blend(w, size)
+    cp = mx.Checkpoints(w)
+    e = mx.BLEND_EVERY
+    rng = np.random.default_rng(len(weights))
+    slots = np.concatenate([rng.integers(0, size, 3000), [0, 1, 2, e - 1, e, e + 1, 7 * e, size - 1]])
+    src, drw = cp.at(slots)
+    assert np.array_equal(src, index[slots]) and np.array_equal(drw, draw[slots])
+    for k in (0, 1, e, 5 * e + 3, size):
+        assert np.array_equal(cp.counts(k), np.bincount(index[:k], minlength=len(w)))
+    assert np.array_equal(cp.counts(size), counts)

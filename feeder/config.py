@@ -312,6 +312,13 @@ class ServeConfig:
                 raise InvalidArgument(
                     f"{what} {address} is beyond loopback and would be plain text: give --tls-cert and --tls-key "
                     "(TLS), or --insecure to serve plain text anyway")
+        # The development key is in the source: beyond loopback anyone could forge cursors
+        # with it (resume another job's stream, skip or repeat data), so it is never a default there.
+        if not self.cursor_secret and not is_loopback(self.listen.rpartition(":")[0]):
+            raise InvalidArgument(
+                f"listen {self.listen} is beyond loopback and no cursor secret was given (the development key is "
+                "public): give --cursor-secret-file FILE (or FEEDER_CURSOR_SECRET), shared by every feeder of the "
+                "deployment")
 
     @property
     def tls(self) -> bool:

@@ -57,8 +57,10 @@ def serve_config(args):
         raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... (or NAME=DIR|URL, repeated) or a "
                               "--config region file with source = ...")
     cfg = ServeConfig(**values)
-    if args.metrics_port is not None:  # on the listen host unless told otherwise
-        host = args.metrics_host or cfg.listen.rpartition(":")[0]
+    if args.metrics_port is not None:
+        # Loopback unless told otherwise: metrics name every job, so reaching them from
+        # elsewhere is a choice (--metrics-host), with a metrics token when there is a tokens file.
+        host = args.metrics_host or "127.0.0.1"
         cfg = cfg.replace(metrics_listen=f"{host}:{args.metrics_port}")
     return cfg
 
@@ -136,7 +138,8 @@ def add_serve(sub) -> None:
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
-    s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")
+    s.add_argument("--metrics-host", default="", help="address for /metrics (default 127.0.0.1: loopback; with "
+                   "--tokens-file a scrape needs a token with metrics = true, or a client certificate)")
     s.add_argument("--tls-cert", help="PEM certificate chain of this feeder (TLS; reloaded when it changes)")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--tls-client-ca", help="mutual TLS: require client certificates signed by this CA")

@@ -125,12 +125,39 @@ class EngineCollector:
         yield from fam.values()
 
 
+def requiring_token(app, tokens):
+    """The WSGI app behind a bearer token with `metrics = true` in the tokens file: /metrics
+    lists every job's progress and rates, which Status shows only to a token of that job."""
+    from feeder.security import bearer
+
+    def refuse(start_response, status: str, why: str):
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                                ("WWW-Authenticate", 'Bearer realm="feeder metrics"')])
+        return [why.encode() + b"\n"]
+
+    def guarded(environ, start_response):
+        token = bearer([("authorization", environ.get("HTTP_AUTHORIZATION", ""))])
+        if not token:
+            return refuse(start_response, "401 Unauthorized", "/metrics needs a bearer token with metrics = true "
+                          "(Prometheus: authorization: credentials_file: ...)")
+        grant = tokens.lookup(token)
+        if grant is None:
+            return refuse(start_response, "401 Unauthorized", "the bearer token is not valid for this feeder")
+        if not grant.metrics:
+            return refuse(start_response, "403 Forbidden", f"token {grant.name!r} has no metrics scope "
+                          "(metrics = true in the tokens file)")
+        return app(environ, start_response)
+    return guarded
+
+
 def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
-                  tls: tuple[str, str, str] | None = None) -> tuple[object, str]:
+                  tls: tuple[str, str, str] | None = None, tokens=None) -> tuple[object, str]:
     """Serve /metrics on HOST:PORT (port 0: any free port); returns (server, 'HOST:PORT').
     With tls=(cert, key, client_ca) it is HTTPS with the feeder's own certificate (and
     client certificates required when client_ca is set), re-read when the files change, as
-    the gRPC port's are: each new connection gets the certificate as it is then."""
+    the gRPC port's are: each new connection gets the certificate as it is then.
+    With `tokens` (a TokenStore) and no client certificates required, a scrape needs a bearer
+    token with the metrics scope; a client certificate from the deployment's CA is enough."""
     import socket
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -165,8 +192,11 @@ def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, loop))
+    app = make_wsgi_app(registry)
+    if tokens is not None and not (tls and tls[2]):
+        app = requiring_token(app, tokens)
     try:
-        server = make_server(host, int(port), make_wsgi_app(registry), Server, handler_class=Quiet)
+        server = make_server(host, int(port), app, Server, handler_class=Quiet)
     except OSError as e:
         raise Unavailable(f"cannot serve metrics on {host}:{port}: {e.strerror or e}; every feeder process on a "
                           "host needs a metrics port of its own (--metrics-port)") from None

@@ -84,7 +84,7 @@ class Server:
             from feeder.service.servicer import STATUS
 
             self.tokens = TokenStore(cfg.tokens_file)
-            interceptors.append(AuthInterceptor(self.tokens, STATUS))
+            interceptors.append(AuthInterceptor(self.tokens, STATUS, default_dataset=self.engine.default))
         # SO_REUSEPORT only among the processes of one `serve --processes N` (siblings): grpcio
         # sets it by default, so a second feeder started on a taken port, with other data, would
         # silently get half the connections (found by the soak: two scenarios' feeders on one
@@ -112,7 +112,7 @@ class Server:
 
             self.metrics_server, self.metrics_address = start_metrics(
                 self.engine, asyncio.get_running_loop(), cfg.metrics_listen,
-                tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None)
+                tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None, tokens=self.tokens)
         try:
             self.port = (self.server.add_secure_port(cfg.listen, self.certificates.credentials()) if cfg.tls
                          else self.server.add_insecure_port(cfg.listen))

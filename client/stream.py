@@ -11,9 +11,11 @@ give up: pure code), .decode (reply -> tensors), .handoff (the queue to the trai
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -35,6 +37,21 @@ __all__ = ["ClientConfig", "FeederBatch", "FeederClient", "Handoff", "decode", "
            "channel_options", "measure_rtt", "rtt_step", "CODES", "COMPRESSION", "DTYPES", "PLAIN", "RETRYABLE"]
 
 log = logging.getLogger("feeder_client")
+
+# Clients not yet closed, closed at interpreter exit while gRPC is still whole: a client (or a
+# FeederDataset's iterator) held in a module-level global is otherwise closed during module
+# teardown, when grpc's own globals are already gone, and Python prints "Exception ignored in
+# <generator FeederDataset.__iter__>" with a traceback from grpc.
+_open_clients: "weakref.WeakSet[FeederClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_open_clients):
+        try:
+            client.close()
+        except Exception as e:   # exiting anyway: one line, never a traceback
+            log.debug("closing a feeder client at exit: %r", e)
 
 
 class Incomplete(Exception):
@@ -80,7 +97,9 @@ class FeederClient:
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
-        self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank)
+        self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank,
+                             connect_timeout_s=cfg.connect_timeout_s)
+        self._answered: set[str] = set()   # targets that answered us once: their breaks are no TLS mismatch
         self.transport = Transport(cfg)
         self._step_ema: float | None = None
         self._taken = 0
@@ -104,6 +123,8 @@ class FeederClient:
         self._report_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"feeder-client-r{cfg.spec.rank}", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="feeder-client-watchdog", daemon=True)
+        self._closed = False
+        _open_clients.add(self)
         self._thread.start()
         self._watchdog.start()
 
@@ -184,6 +205,10 @@ class FeederClient:
 
         The batches still queued are dropped. Waits up to 5 s for each thread.
         """
+        if self._closed:
+            return
+        self._closed = True
+        _open_clients.discard(self)
         self._stop.set()
         with self._lock:
             if self._call is not None:
@@ -226,6 +251,9 @@ class FeederClient:
         with ThreadPoolExecutor(len(self.targets)) as ex:
             rtts = list(ex.map(self.transport.rtt, self.targets))
         self.rtt_s = dict(zip(self.targets, rtts))
+        self._answered.update(t for t, rtt in self.rtt_s.items() if rtt != float("inf"))
+        if self._answered:
+            self.policy.reached()
         self.targets[:] = order_targets(self.targets, self.rtt_s, self.cfg.prefer)   # the policy's list too
         names = dict(zip(self.cfg.targets, self.cfg.regions or self.cfg.targets))
         log.info("rank %d targets, in order: %s", self.cfg.spec.rank, ", ".join(
@@ -271,7 +299,7 @@ class FeederClient:
                 return None
             code, elsewhere = e.code(), any(k == ELSEWHERE for k, _ in e.trailing_metadata() or ())
             why = ("silent past the idle timeout" if self._idle_cancelled
-                   else explain(e, target, self.cfg.security).partition(": ")[2])
+                   else explain(e, target, self.cfg.security, answered=target in self._answered).partition(": ")[2])
             failback = self.policy.failback
             action = self.policy.error(code.name, f"feeder {target}: {e.details()}", f"{target}: {why}",
                                        time.monotonic(), elsewhere=elsewhere)
@@ -279,7 +307,7 @@ class FeederClient:
                 log.info("rank %d: %s answers again; moving back to it from %s", rank, action.target, target)
             elif elsewhere and isinstance(action, Retry):
                 log.error("feeder %s refused rank %d: %s; trying the next region", target, rank, e.details())
-            elif isinstance(action, Retry):
+            elif isinstance(action, Retry) and self.policy.worth_logging(target, why):
                 log.warning("stream broke (%s: %s); failing over to %s", target, why, action.target)
             return action
         except Incomplete:
@@ -288,7 +316,7 @@ class FeederClient:
         except FeederError as e:  # corrupt batch: never served; another feeder may have good data
             why = f"{target}: {e}"
             action = self.policy.corrupt(e, why, time.monotonic())
-        if isinstance(action, Retry):
+        if isinstance(action, Retry) and self.policy.worth_logging(target, why):
             log.warning("stream broke (%s); failing over to %s", why, action.target)
         return action
 
@@ -313,6 +341,7 @@ class FeederClient:
             finally:
                 self._waiting_since = None
             self._opened = True
+            self._answered.add(target)
             if reply.region != self.region:
                 log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                 self.region = reply.region

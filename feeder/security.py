@@ -384,12 +384,14 @@ class ClientSecurity:
         return (("authorization", f"Bearer {tok}"),) if tok else ()
 
 
-def explain(e: grpc.RpcError, target: str, security: ClientSecurity) -> str:
-    """An RpcError in words, with the likely fix for the transport mistakes people make."""
+def explain(e: grpc.RpcError, target: str, security: ClientSecurity, answered: bool = False) -> str:
+    """An RpcError in words, with the likely fix for the transport mistakes people make.
+    `answered`: this target has answered us before, so a closed socket is a feeder gone (killed,
+    restarted), not a TLS mismatch, and no TLS hint is given."""
     code, details = e.code(), e.details() or ""
     msg = f"{target}: {code.name}: {details}"
     low = details.lower()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE and not answered:
         if not security.tls and ("socket closed" in low or "connection reset" in low or "eof" in low):
             msg += " (does this feeder use TLS? pass its CA: --ca / FeederDataset(tls_ca=...))"
         elif security.tls and not security.cert and "socket closed" in low:

@@ -17,7 +17,8 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
-               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index"}
+               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index",
+               "scrub_mb_s": "scrub_mb_s"}
 
 
 def serve_config(args):
@@ -134,6 +135,8 @@ def add_serve(sub) -> None:
     s.add_argument("--eos-id", type=int, help="with --vocab-size")
     add_format_flags(s)
     s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
+    s.add_argument("--scrub-mb-s", type=float, help="re-hash the chunks already verified at this many MB/s in the "
+                   "background; a chunk found changed is DATA_LOSS from then on (default 16; 0: off)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--metrics-port", type=int, default=None,

@@ -268,6 +268,9 @@ class ServeConfig:
     # siblings of `--processes` do. Off by default: a feeder started twice on one port, say
     # with other data, must fail to bind rather than get half the connections.
     reuse_port: bool = False
+    # The background scrub (feeder.scrub): MB/s of verified, memory-mapped chunks re-hashed, so
+    # a byte changed on disk after its chunk's first read is found and never served again. 0: off.
+    scrub_mb_s: float = 16.0
 
     def __post_init__(self):
         if bool(self.source) == bool(self.sources):
@@ -289,6 +292,9 @@ class ServeConfig:
         _compression("default_compression", self.default_compression, self.default_level)
         _positive("threads", self.threads, upper=256)
         _positive("processes", self.processes, upper=256)
+        if isinstance(self.scrub_mb_s, bool) or not isinstance(self.scrub_mb_s, (int, float)) \
+                or not 0 <= self.scrub_mb_s < float("inf"):
+            raise InvalidArgument(f"scrub_mb_s must be a non-negative number (0: off), got {shown(self.scrub_mb_s)}")
         if self.metrics_listen:
             mhost, msep, mport = self.metrics_listen.rpartition(":")
             if not msep or not mport.isdigit() or int(mport) > 65535:

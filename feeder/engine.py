@@ -42,6 +42,7 @@ class Engine:
         # One of several processes on this port (`feeder serve --processes N`)
         self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
         self.version = __version__
+        self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
 
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
@@ -65,6 +66,8 @@ class Engine:
         return ProcessStatus(
             region=region, uptime_s=time.monotonic() - self.started, streams_open=self.jobs.streams_open,
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
+            chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
+            scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
                                  ranks=tuple(_rank_status(r, region)
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))

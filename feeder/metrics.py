@@ -49,6 +49,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_streams_open": ("gauge", "Streams open in this process", ()),
     "feeder_jobs": ("gauge", "Jobs known to this process", ()),
     "feeder_resident_memory_bytes": ("gauge", "Resident set size of this process", ()),
+    "feeder_scrubbed_bytes_total": ("counter", "Bytes of verified chunks re-hashed by the background scrub",
+                                    ("dataset",)),
+    "feeder_chunks_changed_total": ("counter", "Chunks the scrub found changed on disk (DATA_LOSS since)",
+                                    ("dataset",)),
     "feeder_info": ("gauge", "Constant 1, labelled with the feeder's version and region", ("version", "region")),
 }
 
@@ -122,6 +126,10 @@ class EngineCollector:
         fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
         fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)
         fam["feeder_info"].add_metric([e.version, e.cfg.region], 1.0)
+        if e.scrubber is not None:
+            for name in e.scrubber.sources:
+                fam["feeder_scrubbed_bytes_total"].add_metric([name], e.scrubber.scrubbed_bytes[name])
+                fam["feeder_chunks_changed_total"].add_metric([name], e.scrubber.changed[name])
         yield from fam.values()
 
 

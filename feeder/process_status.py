@@ -45,3 +45,5 @@ class ProcessStatus:
     threads: int
     processes: int
     jobs: tuple[JobStatus, ...]
+    chunks_changed: int = 0      # found changed on disk by the background scrub (DATA_LOSS since)
+    scrubbed_bytes: int = 0

@@ -68,6 +68,8 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         out.rss_mb += r.rss_mb
         out.tasks += r.tasks
         out.threads += r.threads
+        out.chunks_changed += r.chunks_changed
+        out.scrubbed_bytes += r.scrubbed_bytes
         for j in r.jobs:
             jobs.setdefault(j.job, j)
             for rank in j.ranks:

@@ -34,8 +34,11 @@ def render(reply, target: str):
     from rich.table import Table
 
     procs = f"  processes={reply.processes}" if reply.processes > 1 else ""
+    # A chunk changed on disk under a running feeder is news an operator must not miss.
+    changed = f"  CHUNKS CHANGED ON DISK={reply.chunks_changed} (DATA_LOSS)" if reply.chunks_changed else ""
     t = Table(title=f"feeder {target}  region={reply.region}{procs}  up {reply.uptime_s:.0f}s  "
-                    f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB", title_justify="left")
+                    f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB  "
+                    f"scrubbed={reply.scrubbed_bytes / 2**20:.0f} MiB{changed}", title_justify="left")
     left = ("job", "dataset", "region", "state", "last error")
     for col in ("job", "dataset", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",
                 "restarts", "failovers", "bad records", "last error"):

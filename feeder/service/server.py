@@ -125,6 +125,13 @@ class Server:
                               "share a port only under `serve --processes N` or with --reuse-port) or the host "
                               "is not an address of this machine")
         await self.server.start()
+        if cfg.scrub_mb_s:
+            from feeder.scrub import Scrubber
+            from feeder.sources.posix import PosixSource
+
+            # The sources served from files (formats included); Kafka's are its own.
+            self.engine.scrubber = Scrubber({n: s for n, s in self.engine.sources.items()
+                                             if isinstance(s, PosixSource)}, cfg.scrub_mb_s)
         if self.engine.siblings is not None:
             self._publisher = asyncio.create_task(self._publish_status())
         for name in ("", SERVICE):
@@ -153,6 +160,8 @@ class Server:
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.shutdown()
+        if self.engine.scrubber is not None:
+            self.engine.scrubber.stop()
         if self.server is not None:
             await self.server.stop(self.cfg.grace_s if grace is None else grace)
         if self._publisher is not None:

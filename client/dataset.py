@@ -40,7 +40,7 @@ class FeederDataset(IterableDataset):
             weight ({"web": 0.7, "code": 0.3}, normalized), epoch_samples positions per epoch
             (0: the sources' samples summed); remix=True continues a cursor of another mixture
             under this one. Each batch then has `sources` (the index of each sample's source in
-            this mixture) and `sample_ids` within that source. README "Mixtures" has the rules.
+            this mixture) and `sample_ids` within that source. docs/mixtures.md has the rules.
         cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
             batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
         read_ahead .. keep_freed_memory, connect_timeout_s: how the stream is carried

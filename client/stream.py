@@ -117,6 +117,11 @@ class FeederClient:
         self._waiting_since: float | None = None
         self._idle_cancelled = False
         self._report = [0.0, 0.0, 0, time.monotonic()]  # wait, step, batches, since
+        # Set by the loop when it has taken a read-ahead's worth since the last report: the
+        # feeder's view of what was taken then lags by at most that (status, metrics).
+        self._wake = threading.Event()
+        self._report_due = False
+        self._reported_position: tuple[int, int] | None = None
         self._last_next = None
         self._position: tuple[int, int] | None = None   # (epoch, step) of the last batch taken
         self._stub = None
@@ -158,7 +163,14 @@ class FeederClient:
         if self._taken % 8 == 0:
             self._size_read_ahead()
         if item is _END:
+            # The feeder shows a rank "finished" only once it knows the loop took the last batch.
+            self._report_due = True
+            if self._stub is not None:
+                self._maybe_report(self._stub)
             raise StopIteration
+        if self._report[2] >= self._q.capacity and time.monotonic() - self._report[3] >= 0.25:
+            self._report_due = True
+            self._wake.set()
         if isinstance(item, BaseException):
             raise item
         self._position = (item.epoch, item.step)
@@ -210,6 +222,7 @@ class FeederClient:
         self._closed = True
         _open_clients.discard(self)
         self._stop.set()
+        self._wake.set()
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
@@ -370,7 +383,11 @@ class FeederClient:
 
     def _watch(self) -> None:
         """Abandons a silent feeder, and reports data-wait to the feeder feeding us."""
-        while not self._stop.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s)):
+        while not self._stop.is_set():
+            self._wake.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if self._stub is not None:
                 self._maybe_report(self._stub)
             self._maybe_fail_back()
@@ -394,12 +411,15 @@ class FeederClient:
 
     def _maybe_report(self, stub) -> None:
         with self._report_lock:
-            r = self._report
-            if time.monotonic() - r[3] < self.cfg.report_every_s or r[2] == 0:
+            r, due = self._report, self._report_due
+            if time.monotonic() - r[3] < self.cfg.report_every_s and not due:
+                return
+            if r[2] == 0 and self._position == self._reported_position:
                 return
             wait, step, n = r[0], r[1], r[2]
             self._report = [0.0, 0.0, 0, time.monotonic()]
-        pos = self._position
+            self._report_due = False
+            pos = self._reported_position = self._position
         self.transport.report(stub, pb.ReportRequest(
             job=self.cfg.spec.job, rank=self.cfg.spec.rank, wait_s=wait, step_s=step, batches=n,
             has_position=pos is not None, epoch=pos[0] if pos else 0, step=pos[1] if pos else 0))

@@ -38,8 +38,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                RANK),
     "feeder_rank_connected": ("gauge", "1 while the rank has an open stream here", RANK),
     "feeder_epoch": ("gauge", "Epoch the rank's training loop is in (reported; else the epoch being sent)", RANK),
-    "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank has consumed (reported) or been sent",
-                                    RANK),
+    "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank's loop has taken (reported; 0 before "
+                                    "its first report)", RANK),
+    "feeder_epoch_sent_ratio": ("gauge", "Share of the epoch being sent that was sent (runs ahead of what was "
+                                "taken)", RANK),
     "feeder_source_read_seconds": ("histogram", "Time to read one batch's tokens from the source", RANK),
     "feeder_source_samples_total": ("counter", "Samples sent from each source of the rank's mixture",
                                     ("job", "rank", "source")),
@@ -111,6 +113,8 @@ class EngineCollector:
             epoch, done = st.position
             fam["feeder_epoch"].add_metric(lab, epoch)
             fam["feeder_epoch_progress_ratio"].add_metric(lab, done / st.samples_in_epoch if st.samples_in_epoch else 0.0)
+            fam["feeder_epoch_sent_ratio"].add_metric(lab, st.samples_done / st.samples_in_epoch
+                                                      if st.samples_in_epoch else 0.0)
             cum, buckets = 0, []
             for bound, n in zip((*READ_BUCKETS, float("inf")), st.read_buckets):
                 cum += n

@@ -75,3 +75,28 @@ def test_a_job_stays_known_while_its_ranks_report_to_a_process_that_never_stream
         (job,) = fetch(srv.address, job="elsewhere").jobs
     (rank,) = job.ranks
     assert (rank.rank, rank.reported, rank.epoch, rank.state, rank.connected) == (3, True, 1, "reporting", False)
+
+
+def test_what_was_sent_and_not_taken_is_bounded_by_the_read_ahead_budget_in_bytes(dataset):
+    """A slow loop over small batches: gRPC's receive window is the read-ahead budget, so the
+    feeder runs ahead by at most that, a message or two and the decoded read-ahead (it ran
+    ~6 MiB, thousands of batches, ahead with gRPC's own window and BDP probing)."""
+    from feeder_client.stream import ClientConfig
+    from feeder_client.transport import window_bytes
+
+    message = 8192
+    with ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=message)) as srv:
+        ds = FeederDataset([srv.address], job="ahead", rank=0, world_size=1, seq_len=16, micro_batch=4,
+                           num_epochs=0, read_ahead=4, max_read_ahead=4, compression="none")
+        it, taken, t0 = iter(ds), 0, time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            next(it)
+            taken += 1
+            time.sleep(0.01)
+        (rank,) = fetch(srv.address, job="ahead").jobs[0].ranks
+        it.close()
+    per_batch = rank.bytes_sent / rank.batches_sent
+    ahead = (rank.batches_sent - taken) * per_batch
+    window = window_bytes(ClientConfig(targets=(srv.address,), spec=ds.spec, max_read_ahead=4))
+    assert window == 64 << 10   # the floor: 4 batches of 4 x 17 tokens are far less
+    assert 0 < ahead <= window + 2 * message + 4 * per_batch, (ahead, rank.batches_sent, taken)

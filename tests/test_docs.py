@@ -49,20 +49,22 @@ def test_links_and_nav_name_pages_that_exist_and_every_page_is_in_the_nav():
     assert "scale.md" in pages
 
 
-def readme_commands() -> list[str]:
-    """The `feeder ...` command lines of the README's bash blocks (continuations joined)."""
+def shown_commands(text: str) -> list[str]:
+    """The `feeder ...` commands of a page's bash blocks (continuations joined), without the
+    synopses (`[--flag X]`, `INPUT...`, `HOST:PORT`), which say what may be given."""
     cmds = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith("feeder "):
-                cmds.append(line)
+            m = re.search(r"(?:^|&& |; )(feeder .*?)(?: &&|;|$)", line.split("  #")[0].strip())
+            if m and not re.search(r"\[|\||…|\.\.\.|[A-Z]{3,}", m.group(1)):
+                cmds.append(m.group(1))
     return cmds
 
 
-def test_every_feeder_command_the_readme_shows_is_one_the_cli_accepts():
-    cmds = readme_commands()
-    assert len(cmds) >= 6
+def test_every_feeder_command_the_readme_and_the_docs_show_is_one_the_cli_accepts():
+    readme = shown_commands(README)
+    assert len(readme) >= 6
+    cmds = readme + [c for page in sorted((ROOT / "docs").glob("*.md")) for c in shown_commands(page.read_text())]
     for cmd in cmds:
         argv = shlex.split(cmd)[1:]
         try:

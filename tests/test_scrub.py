@@ -77,3 +77,14 @@ def test_scrub_rate_is_checked_and_zero_turns_it_off(dataset):
     finally:
         srv.stop()
     assert np.isfinite(ServeConfig(source=str(dataset)).scrub_mb_s)
+
+
+def test_a_region_file_sets_the_scrub_rate_and_the_flag_wins(tmp_path, dataset):
+    from feeder.cli import build_parser
+    from feeder.cli_serve import serve_config
+
+    region = tmp_path / "r.toml"
+    region.write_text(f'source = "{dataset}"\nscrub_mb_s = 4.5\n')
+    assert serve_config(build_parser().parse_args(["serve", "--config", str(region)])).scrub_mb_s == 4.5
+    told = build_parser().parse_args(["serve", "--config", str(region), "--scrub-mb-s", "0"])
+    assert serve_config(told).scrub_mb_s == 0

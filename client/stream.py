@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -48,6 +49,8 @@ _open_clients: "weakref.WeakSet[FeederClient]" = weakref.WeakSet()
 @atexit.register
 def _close_open_clients() -> None:
     for client in list(_open_clients):
+        if client._pid != os.getpid():   # a forked child's copy: its threads and calls are the parent's
+            continue
         try:
             client.close()
         except Exception as e:   # exiting anyway: one line, never a traceback
@@ -129,6 +132,7 @@ class FeederClient:
         self._thread = threading.Thread(target=self._run, name=f"feeder-client-r{cfg.spec.rank}", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="feeder-client-watchdog", daemon=True)
         self._closed = False
+        self._pid = os.getpid()
         _open_clients.add(self)
         self._thread.start()
         self._watchdog.start()

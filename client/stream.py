@@ -172,12 +172,12 @@ class FeederClient:
             if self._stub is not None:
                 self._maybe_report(self._stub)
             raise StopIteration
-        if self._report[2] >= self._q.capacity and time.monotonic() - self._report[3] >= 0.25:
-            self._report_due = True
-            self._wake.set()
         if isinstance(item, BaseException):
             raise item
         self._position = (item.epoch, item.step)
+        if self._report[2] >= self._q.capacity and time.monotonic() - self._report[3] >= 0.25:
+            self._report_due = True   # the watchdog reports this position now
+            self._wake.set()
         return item
 
     def _size_read_ahead(self) -> None:

@@ -169,6 +169,8 @@ class Policy:
         wait = 0.0
         if self.attempt >= len(self.targets):  # a whole round failed: back off before the next
             wait = min(2.0, 0.05 * 2 ** min(self.attempt - len(self.targets), 6))
+        if not self.answered and self.connect_timeout_s:   # the last try at the deadline, not after it
+            wait = min(wait, max(0.0, self.started + self.connect_timeout_s - now))
         return Retry(self.target, wait)
 
     def _skip_refused(self) -> None:

@@ -100,3 +100,16 @@ def test_what_was_sent_and_not_taken_is_bounded_by_the_read_ahead_budget_in_byte
     window = window_bytes(ClientConfig(targets=(srv.address,), spec=ds.spec, max_read_ahead=4))
     assert window == 64 << 10   # the floor: 4 batches of 4 x 17 tokens are far less
     assert 0 < ahead <= window + 2 * message + 4 * per_batch, (ahead, rank.batches_sent, taken)
+
+
+def test_merged_status_takes_the_job_from_the_process_that_streamed_it():
+    from feeder.siblings import merge
+    from feeder.v1 import feeder_pb2 as pb
+
+    heard = pb.StatusReply(region="r", processes=1)
+    heard.jobs.add(job="j", dataset="web", world_size=0).ranks.add(rank=1, reported=True, samples_done=8,
+                                                                      state="reporting")
+    streamed = pb.StatusReply(region="r", processes=1)
+    streamed.jobs.add(job="j", dataset="web", world_size=4).ranks.add(rank=0, connected=True, state="streaming")
+    (job,) = merge(heard, [streamed]).jobs
+    assert job.world_size == 4 and [r.rank for r in job.ranks] == [0, 1]

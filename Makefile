@@ -10,14 +10,14 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env proto demo test test-fast bench soak kafka kafka-stop toxiproxy regions clean
+.PHONY: env proto demo test test-fast docs bench soak kafka kafka-stop toxiproxy regions clean
 
 env: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py feeder/_native.c feeder/_shuffle.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off -q --upgrade pip setuptools wheel "grpcio-tools>=1.60"
-	$(PY) -m pip install --progress-bar off -q --no-build-isolation -e '.[train,bench,kafka,ops,tls,frameworks,dev,formats]'
+	$(PY) -m pip install --progress-bar off -q --no-build-isolation -e '.[train,bench,kafka,ops,tls,frameworks,dev,formats,docs]'
 	$(PY) -m pip install --progress-bar off -q --no-deps 'mosaicml-streaming==0.13.0'
 	@touch $(STAMP)
 
@@ -27,9 +27,18 @@ proto: env
 demo: env
 	$(PY) -m feeder_trainer.demo
 
+# The documentation site (docs/, mkdocs.yml) into site/. Strict: a broken link, a page missing
+# from the nav or a bad setting is an error, not a warning.
+export NO_MKDOCS_2_WARNING := 1
+docs: env
+	$(PY) -m mkdocs build --strict
+
+# The docs are built first (strict, seconds), so a broken link fails before the long suite
+# (never with --quiet: it hides the warnings that strict mode counts).
 # The Kafka tests need the real broker: started before the suite, stopped after it
 # whatever the outcome (the suite's exit code is kept).
 test: env toxiproxy
+	$(PY) -m mkdocs build --strict --site-dir build/site
 	$(PY) deploy/kafka/broker.py start
 	$(PY) -m pytest -q -ra --durations=15; rc=$$?; $(PY) deploy/kafka/broker.py stop; exit $$rc
 
@@ -66,4 +75,4 @@ test-fast: env
 	$(PY) -m pytest -q -ra -m "not slow and not kafka"
 
 clean:
-	rm -rf $(VENV) build *.egg-info feeder/v1/*_pb2*.py* feeder/formats/*_pb2*.py* feeder/v1/.generated
+	rm -rf $(VENV) build site *.egg-info feeder/v1/*_pb2*.py* feeder/formats/*_pb2*.py* feeder/v1/.generated

@@ -62,6 +62,9 @@ class ClientConfig:
     keepalive_s: float = 10.0         # HTTP/2 pings detect a dead link within keepalive + timeout
     keepalive_timeout_s: float = 5.0
     retry_for_s: float = 300.0        # give up after failing this long without a batch
+    # ... or this long when no target has answered at all since the client started: a wrong
+    # port or a feeder that is not up is said within seconds, not after retry_for_s.
+    connect_timeout_s: float = 30.0
     report_every_s: float = 5.0
     # After a failover, look this often for a more preferred feeder that answers again, and
     # move back to it (resuming from the cursor): a rank does not stay on a far region for
@@ -87,6 +90,11 @@ class ClientConfig:
                               code=Code.INVALID_ARGUMENT)
         if self.read_ahead < 1:
             raise FeederError(f"read_ahead must be >= 1, got {self.read_ahead}", code=Code.INVALID_ARGUMENT)
+        for name in ("retry_for_s", "connect_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise FeederError(f"{name} must be a positive number of seconds, got {v!r}",
+                                  code=Code.INVALID_ARGUMENT)
         if self.prefer not in ("rtt", "order"):
             raise FeederError(f"prefer must be 'rtt' or 'order', got {self.prefer!r}", code=Code.INVALID_ARGUMENT)
         if self.regions and len(self.regions) != len(self.targets):

@@ -40,16 +40,16 @@ class FeederDataset(IterableDataset):
             weight ({"web": 0.7, "code": 0.3}, normalized), epoch_samples positions per epoch
             (0: the sources' samples summed); remix=True continues a cursor of another mixture
             under this one. Each batch then has `sources` (the index of each sample's source in
-            this mixture) and `sample_ids` within that source. README "Mixtures" has the rules.
+            this mixture) and `sample_ids` within that source. docs/mixtures.md has the rules.
         permutation: the epoch's order. "torch" (the default): exactly torch.randperm's, as this
             process's torch release draws it, so the ids are a local DistributedSampler's; the
             feeder builds it once per epoch (O(n), ahead of need, shared). "stateless": a seeded
             random-access bijection of the epoch (O(1), instant at any size), a new one per epoch;
-            not torch's order. README "Choosing an order".
+            not torch's order. docs/scale.md, "Choosing an order".
         cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
             batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
-        read_ahead .. keep_freed_memory: how the stream is carried (ClientConfig: read-ahead,
-            timeouts, retry budget, failback, pinning, malloc).
+        read_ahead .. keep_freed_memory, connect_timeout_s: how the stream is carried
+            (ClientConfig: read-ahead, timeouts, retry budget, failback, pinning, malloc).
         tls_ca, tls_cert, tls_key, token, token_file, tls_server_name: the ClientSecurity
             (TLS, mutual TLS, the job's bearer token).
 
@@ -73,7 +73,8 @@ class FeederDataset(IterableDataset):
                  token_file: str = "", tls_server_name: str = "", max_read_ahead: int = 64,
                  failback_s: float = 60.0, pin_memory: bool | None = None,
                  keep_freed_memory: bool = True, mixture: Mapping[str, float] | Sequence | None = None,
-                 epoch_samples: int = 0, remix: bool = False, permutation: str = "torch"):
+                 epoch_samples: int = 0, remix: bool = False, permutation: str = "torch",
+                 connect_timeout_s: float = 30.0):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -93,7 +94,8 @@ class FeederDataset(IterableDataset):
         security = ClientSecurity(ca=tls_ca, cert=tls_cert, key=tls_key, token=token, token_file=token_file,
                                   server_name=tls_server_name)
         self.transport = dict(read_ahead=read_ahead, idle_timeout_s=idle_timeout_s, keepalive_s=keepalive_s,
-                              retry_for_s=retry_for_s, report_every_s=report_every_s, security=security,
+                              retry_for_s=retry_for_s, connect_timeout_s=connect_timeout_s,
+                              report_every_s=report_every_s, security=security,
                               regions=regions, prefer=prefer, max_read_ahead=max_read_ahead,
                               failback_s=failback_s, pin_memory=pin_memory,
                               keep_freed_memory=keep_freed_memory)

@@ -63,13 +63,22 @@ class Policy:
     and the first refusal is raised once every target has refused. Breaks (a lost connection,
     an idle timeout, an OK end without the end marker, a corrupt batch) move to the next
     target; after a whole round of breaks without a batch it backs off (50 ms doubling, at
-    most 2 s), and after `retry_for_s` of failing without a batch it gives up."""
+    most 2 s), and after `retry_for_s` of failing without a batch it gives up (after
+    `connect_timeout_s` while no target has ever answered)."""
 
     def __init__(self, targets: list[str], retry_for_s: float, failback_s: float = 0.0, now: float = 0.0,
-                 rank: int = 0):
+                 rank: int = 0, connect_timeout_s: float = 0.0):
         self.targets = targets
         self.rank = rank
         self.retry_for_s = retry_for_s
+        # Until some target has ever answered, failing is most likely a start-up mistake (a
+        # wrong port or host, a feeder not started): give up after connect_timeout_s, naming
+        # every target and why it failed (0: only retry_for_s applies).
+        self.connect_timeout_s = connect_timeout_s
+        self.started = now
+        self.answered = False
+        self.last_failure: dict[str, str] = {}     # target -> why it last failed
+        self._logged: dict[str, str] = {}          # target -> the failure last logged, since the last batch
         self.failback_s = failback_s
         self.index = 0
         self.refused: dict[str, FeederError] = {}
@@ -88,6 +97,20 @@ class Policy:
     def batch_received(self) -> None:
         """A stream delivered a batch: the failures before it are forgotten."""
         self.failing_since, self.attempt, self.after_break = None, 0, False
+        self.answered = True
+        self._logged.clear()
+
+    def reached(self) -> None:
+        """A target answered (a health check at start): the job is past start-up mistakes."""
+        self.answered = True
+
+    def worth_logging(self, target: str, why: str) -> bool:
+        """A failure is logged once per target until it changes or a batch arrives: a feeder
+        that stays down for minutes must not write a line per retry."""
+        if self._logged.get(target) == why:
+            return False
+        self._logged[target] = why
+        return True
 
     def stream_complete(self) -> Finish:
         return Finish()
@@ -130,6 +153,11 @@ class Policy:
     def broke(self, why: str, now: float) -> Retry | GiveUp:
         """The stream broke (`why` names the target and the cause): resume on the next target."""
         self.failing_since = self.failing_since or now
+        self.last_failure[self.target] = why.partition(": ")[2] or why
+        if not self.answered and self.connect_timeout_s and now - self.started >= self.connect_timeout_s:
+            tried = "; ".join(f"{t}: {self.last_failure.get(t, 'not tried')}" for t in dict.fromkeys(self.targets))
+            return GiveUp(Unavailable(f"no feeder answered rank {self.rank} within connect_timeout_s="
+                                      f"{self.connect_timeout_s:g}: {tried}"))
         if now - self.failing_since > self.retry_for_s:
             return GiveUp(Unavailable(f"no feeder could serve rank {self.rank} for {self.retry_for_s:.0f}s; "
                                       f"last error: {why}"))
@@ -141,6 +169,8 @@ class Policy:
         wait = 0.0
         if self.attempt >= len(self.targets):  # a whole round failed: back off before the next
             wait = min(2.0, 0.05 * 2 ** min(self.attempt - len(self.targets), 6))
+        if not self.answered and self.connect_timeout_s:   # the last try at the deadline, not after it
+            wait = min(wait, max(0.0, self.started + self.connect_timeout_s - now))
         return Retry(self.target, wait)
 
     def _skip_refused(self) -> None:

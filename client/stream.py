@@ -11,10 +11,13 @@ give up: pure code), .decode (reply -> tensors), .handoff (the queue to the trai
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -37,6 +40,23 @@ __all__ = ["ClientConfig", "FeederBatch", "FeederClient", "Handoff", "decode", "
            "channel_options", "measure_rtt", "rtt_step", "CODES", "COMPRESSION", "DTYPES", "PLAIN", "RETRYABLE"]
 
 log = logging.getLogger("feeder_client")
+
+# Clients not yet closed, closed at interpreter exit while gRPC is still whole: a client (or a
+# FeederDataset's iterator) held in a module-level global is otherwise closed during module
+# teardown, when grpc's own globals are already gone, and Python prints "Exception ignored in
+# <generator FeederDataset.__iter__>" with a traceback from grpc.
+_open_clients: "weakref.WeakSet[FeederClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_open_clients):
+        if client._pid != os.getpid():   # a forked child's copy: its threads and calls are the parent's
+            continue
+        try:
+            client.close()
+        except Exception as e:   # exiting anyway: one line, never a traceback
+            log.debug("closing a feeder client at exit: %r", e)
 
 
 class Incomplete(Exception):
@@ -90,7 +110,9 @@ class FeederClient:
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
-        self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank)
+        self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank,
+                             connect_timeout_s=cfg.connect_timeout_s)
+        self._answered: set[str] = set()   # targets that answered us once: their breaks are no TLS mismatch
         self.transport = Transport(cfg)
         self._step_ema: float | None = None
         self._taken = 0
@@ -108,12 +130,20 @@ class FeederClient:
         self._waiting_since: float | None = None
         self._idle_cancelled = False
         self._report = [0.0, 0.0, 0, time.monotonic()]  # wait, step, batches, since
+        # Set by the loop when it has taken a read-ahead's worth since the last report: the
+        # feeder's view of what was taken then lags by at most that (status, metrics).
+        self._wake = threading.Event()
+        self._report_due = False
+        self._reported_position: tuple[int, int] | None = None
         self._last_next = None
         self._position: tuple[int, int] | None = None   # (epoch, step) of the last batch taken
         self._stub = None
         self._report_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"feeder-client-r{cfg.spec.rank}", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="feeder-client-watchdog", daemon=True)
+        self._closed = False
+        self._pid = os.getpid()
+        _open_clients.add(self)
         self._thread.start()
         self._watchdog.start()
 
@@ -147,10 +177,17 @@ class FeederClient:
         if self._taken % 8 == 0:
             self._size_read_ahead()
         if item is _END:
+            # The feeder shows a rank "finished" only once it knows the loop took the last batch.
+            self._report_due = True
+            if self._stub is not None:
+                self._maybe_report(self._stub)
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
         self._position = (item.epoch, item.step)
+        if self._report[2] >= self._q.capacity and time.monotonic() - self._report[3] >= 0.25:
+            self._report_due = True   # the watchdog reports this position now
+            self._wake.set()
         return item
 
     def _size_read_ahead(self) -> None:
@@ -194,7 +231,12 @@ class FeederClient:
 
         The batches still queued are dropped. Waits up to 5 s for each thread.
         """
+        if self._closed:
+            return
+        self._closed = True
+        _open_clients.discard(self)
         self._stop.set()
+        self._wake.set()
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
@@ -236,6 +278,9 @@ class FeederClient:
         with ThreadPoolExecutor(len(self.targets)) as ex:
             rtts = list(ex.map(self.transport.rtt, self.targets))
         self.rtt_s = dict(zip(self.targets, rtts))
+        self._answered.update(t for t, rtt in self.rtt_s.items() if rtt != float("inf"))
+        if self._answered:
+            self.policy.reached()
         self.targets[:] = order_targets(self.targets, self.rtt_s, self.cfg.prefer)   # the policy's list too
         names = dict(zip(self.cfg.targets, self.cfg.regions or self.cfg.targets))
         log.info("rank %d targets, in order: %s", self.cfg.spec.rank, ", ".join(
@@ -281,7 +326,7 @@ class FeederClient:
                 return None
             code, elsewhere = e.code(), any(k == ELSEWHERE for k, _ in e.trailing_metadata() or ())
             why = ("silent past the idle timeout" if self._idle_cancelled
-                   else explain(e, target, self.cfg.security).partition(": ")[2])
+                   else explain(e, target, self.cfg.security, answered=target in self._answered).partition(": ")[2])
             failback = self.policy.failback
             action = self.policy.error(code.name, f"feeder {target}: {e.details()}", f"{target}: {why}",
                                        time.monotonic(), elsewhere=elsewhere)
@@ -289,7 +334,7 @@ class FeederClient:
                 log.info("rank %d: %s answers again; moving back to it from %s", rank, action.target, target)
             elif elsewhere and isinstance(action, Retry):
                 log.error("feeder %s refused rank %d: %s; trying the next region", target, rank, e.details())
-            elif isinstance(action, Retry):
+            elif isinstance(action, Retry) and self.policy.worth_logging(target, why):
                 log.warning("stream broke (%s: %s); failing over to %s", target, why, action.target)
             return action
         except Incomplete:
@@ -298,7 +343,7 @@ class FeederClient:
         except FeederError as e:  # corrupt batch: never served; another feeder may have good data
             why = f"{target}: {e}"
             action = self.policy.corrupt(e, why, time.monotonic())
-        if isinstance(action, Retry):
+        if isinstance(action, Retry) and self.policy.worth_logging(target, why):
             log.warning("stream broke (%s); failing over to %s", why, action.target)
         return action
 
@@ -323,6 +368,7 @@ class FeederClient:
             finally:
                 self._waiting_since = None
             self._opened = True
+            self._answered.add(target)
             if reply.waiting:   # the feeder builds what the stream needs (an epoch's order): it is alive
                 self._told_waiting(target, reply.waiting)
                 continue
@@ -361,7 +407,11 @@ class FeederClient:
 
     def _watch(self) -> None:
         """Abandons a silent feeder, and reports data-wait to the feeder feeding us."""
-        while not self._stop.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s)):
+        while not self._stop.is_set():
+            self._wake.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if self._stub is not None:
                 self._maybe_report(self._stub)
             self._maybe_fail_back()
@@ -385,12 +435,15 @@ class FeederClient:
 
     def _maybe_report(self, stub) -> None:
         with self._report_lock:
-            r = self._report
-            if time.monotonic() - r[3] < self.cfg.report_every_s or r[2] == 0:
+            r, due = self._report, self._report_due
+            if time.monotonic() - r[3] < self.cfg.report_every_s and not due:
+                return
+            if r[2] == 0 and self._position == self._reported_position:
                 return
             wait, step, n = r[0], r[1], r[2]
             self._report = [0.0, 0.0, 0, time.monotonic()]
-        pos = self._position
+            self._report_due = False
+            pos = self._reported_position = self._position
         self.transport.report(stub, pb.ReportRequest(
             job=self.cfg.spec.job, rank=self.cfg.spec.rank, wait_s=wait, step_s=step, batches=n,
             has_position=pos is not None, epoch=pos[0] if pos else 0, step=pos[1] if pos else 0))

@@ -14,8 +14,23 @@ from feeder.v1 import feeder_pb2_grpc as pb_grpc
 PLAIN = ClientSecurity()
 
 
+# The HTTP/2 receive window's bounds (see window_bytes).
+MIN_WINDOW, MAX_WINDOW = 64 << 10, 64 << 20
+
+
+def window_bytes(cfg) -> int:
+    """The HTTP/2 stream window a rank announces: its read-ahead budget in bytes (max_read_ahead
+    batches of micro_batch x (seq_len + 1) tokens, counted at 4 bytes a token), 64 KiB to 64 MiB.
+    What the feeder has sent and the loop has not taken is then bounded by the read-ahead, not
+    by gRPC: with its default window and BDP probing, 6 MiB (thousands of small batches) sat in
+    a slow loop's receive window, and status took them for progress."""
+    spec = cfg.spec
+    return int(min(MAX_WINDOW, max(MIN_WINDOW, cfg.max_read_ahead * spec.micro_batch * (spec.seq_len + 1) * 4)))
+
+
 def channel_options(cfg) -> list[tuple[str, int]]:
-    """gRPC channel options for a ClientConfig's keepalive."""
+    """gRPC channel options for a ClientConfig: keepalive, and a receive window of the
+    read-ahead budget (window_bytes)."""
     return [
         ("grpc.max_receive_message_length", 256 << 20),
         ("grpc.max_send_message_length", 64 << 20),
@@ -23,7 +38,10 @@ def channel_options(cfg) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.lookahead_bytes", 4 << 20),
+        ("grpc.http2.lookahead_bytes", window_bytes(cfg)),
+        # BDP probing grows the window past lookahead_bytes as throughput allows (to ~6 MiB on
+        # loopback): off, so the window stays the read-ahead budget.
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.enable_retries", 0),  # streams are resumed from the cursor, not retried by gRPC
         # Each client gets its own connection: ranks in one process must not share (and stall) one.
         ("grpc.use_local_subchannel_pool", 1),

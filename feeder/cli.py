@@ -64,11 +64,20 @@ def client_security(args):
 def cmd_token(args) -> int:
     from feeder.security import new_token, token_hash
 
+    from feeder.errors import InvalidArgument
+
+    if not args.job and not args.metrics:
+        raise InvalidArgument("feeder token needs --job NAME (repeat; '*': all) or --metrics")
     tok = new_token()
-    jobs = ", ".join(f'"{j}"' for j in args.job)
+    jobs = ", ".join(f'"{j}"' for j in args.job or ())
     print(f"token: {tok}")
     print("# append to the feeders' tokens file (the token itself is not stored there):")
-    print(f'[[token]]\nname = "{args.name or args.job[0]}"\njobs = [{jobs}]\nsha256 = "{token_hash(tok)}"')
+    print(f'[[token]]\nname = "{args.name or (args.job or ["metrics"])[0]}"\njobs = [{jobs}]')
+    if args.dataset:
+        print("datasets = [" + ", ".join(f'"{d}"' for d in args.dataset) + "]")
+    if args.metrics:
+        print("metrics = true")
+    print(f'sha256 = "{token_hash(tok)}"')
     return 0
 
 
@@ -231,7 +240,10 @@ def _add_token(sub) -> None:
                        description="Make a new bearer token for the given jobs. Prints the token (give it to the "
                                    "job, e.g. --token-file) and the entry to append to the feeders' tokens file "
                                    "(--tokens-file), which holds only its hash. Writes no file. Exit 0.")
-    s.add_argument("--job", action="append", required=True, help="a job the token may read (repeat; '*': all)")
+    s.add_argument("--job", action="append", help="a job the token may read (repeat; '*': all)")
+    s.add_argument("--dataset", action="append", help="a dataset (source name) the token's jobs may read (repeat; "
+                   "default: every dataset of the feeder)")
+    s.add_argument("--metrics", action="store_true", help="the token may scrape /metrics (Prometheus)")
     s.add_argument("--name", default="", help="a name for logs (default: the first job)")
     s.set_defaults(fn=cmd_token)
 

@@ -18,7 +18,7 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
                "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index",
-               "cache_dir": "cache_dir", "cache_max_gb": "cache_max_gb"}
+               "cache_dir": "cache_dir", "cache_max_gb": "cache_max_gb", "scrub_mb_s": "scrub_mb_s"}
 
 
 def serve_config(args):
@@ -58,8 +58,10 @@ def serve_config(args):
         raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... (or NAME=DIR|URL, repeated) or a "
                               "--config region file with source = ...")
     cfg = ServeConfig(**values)
-    if args.metrics_port is not None:  # on the listen host unless told otherwise
-        host = args.metrics_host or cfg.listen.rpartition(":")[0]
+    if args.metrics_port is not None:
+        # Loopback unless told otherwise: metrics name every job, so reaching them from
+        # elsewhere is a choice (--metrics-host), with a metrics token when there is a tokens file.
+        host = args.metrics_host or "127.0.0.1"
         cfg = cfg.replace(metrics_listen=f"{host}:{args.metrics_port}")
     return cfg
 
@@ -133,6 +135,8 @@ def add_serve(sub) -> None:
     s.add_argument("--eos-id", type=int, help="with --vocab-size")
     add_format_flags(s)
     s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
+    s.add_argument("--scrub-mb-s", type=float, help="re-hash the chunks already verified at this many MB/s in the "
+                   "background; a chunk found changed is DATA_LOSS from then on (default 16; 0: off)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--cache-dir", help="where what is built once is kept and shared: epoch orders of torch's "
@@ -141,7 +145,8 @@ def add_serve(sub) -> None:
                    "used removed first (default 64)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
-    s.add_argument("--metrics-host", default="", help="address for /metrics (default: the --listen host)")
+    s.add_argument("--metrics-host", default="", help="address for /metrics (default 127.0.0.1: loopback; with "
+                   "--tokens-file a scrape needs a token with metrics = true, or a client certificate)")
     s.add_argument("--tls-cert", help="PEM certificate chain of this feeder (TLS; reloaded when it changes)")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--tls-client-ca", help="mutual TLS: require client certificates signed by this CA")

@@ -278,6 +278,9 @@ class ServeConfig:
     # ($XDG_CACHE_HOME/feeder, else ~/.cache/feeder); a region's shared filesystem builds once per region.
     cache_dir: str = ""
     cache_max_gb: float = 64.0
+    # The background scrub (feeder.scrub): MB/s of verified, memory-mapped chunks re-hashed, so
+    # a byte changed on disk after its chunk's first read is found and never served again. 0: off.
+    scrub_mb_s: float = 16.0
 
     def __post_init__(self):
         if bool(self.source) == bool(self.sources):
@@ -301,6 +304,9 @@ class ServeConfig:
         _positive("processes", self.processes, upper=256)
         if not isinstance(self.cache_max_gb, (int, float)) or not self.cache_max_gb > 0:
             raise InvalidArgument(f"cache_max_gb must be a positive number of GB, got {shown(self.cache_max_gb)}")
+        if isinstance(self.scrub_mb_s, bool) or not isinstance(self.scrub_mb_s, (int, float)) \
+                or not 0 <= self.scrub_mb_s < float("inf"):
+            raise InvalidArgument(f"scrub_mb_s must be a non-negative number (0: off), got {shown(self.scrub_mb_s)}")
         if self.metrics_listen:
             mhost, msep, mport = self.metrics_listen.rpartition(":")
             if not msep or not mport.isdigit() or int(mport) > 65535:
@@ -324,6 +330,13 @@ class ServeConfig:
                 raise InvalidArgument(
                     f"{what} {address} is beyond loopback and would be plain text: give --tls-cert and --tls-key "
                     "(TLS), or --insecure to serve plain text anyway")
+        # The development key is in the source: beyond loopback anyone could forge cursors
+        # with it (resume another job's stream, skip or repeat data), so it is never a default there.
+        if not self.cursor_secret and not is_loopback(self.listen.rpartition(":")[0]):
+            raise InvalidArgument(
+                f"listen {self.listen} is beyond loopback and no cursor secret was given (the development key is "
+                "public): give --cursor-secret-file FILE (or FEEDER_CURSOR_SECRET), shared by every feeder of the "
+                "deployment")
 
     @property
     def cache(self) -> str:

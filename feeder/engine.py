@@ -18,7 +18,7 @@ from feeder.cursor import Cursor, Mixture
 from feeder.errors import InvalidArgument, NotFound, Unavailable
 from feeder.order_store import OrderStore
 from feeder.pipeline.batcher import Block
-from feeder.pipeline.stream import Jobs, RankStream
+from feeder.pipeline.stream import Job, Jobs, RankState, RankStream
 from feeder.siblings import Siblings
 from feeder.sources import Source
 from feeder.sources.mixture import MixtureSource
@@ -45,6 +45,7 @@ class Engine:
         self.version = __version__
         # Large epoch orders of torch's kind: built once into the cache directory, shared.
         self.orders = OrderStore(cfg.cache, max_bytes=int(cfg.cache_max_gb * 2**30))
+        self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
 
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
@@ -69,6 +70,8 @@ class Engine:
             region=region, uptime_s=time.monotonic() - self.started, streams_open=self.jobs.streams_open,
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
             building=tuple(b.describe() for b in self.orders.builds()),
+            chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
+            scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
                                  ranks=tuple(_rank_status(r, region)
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
@@ -147,19 +150,28 @@ class Engine:
         if st is not None and reason not in ("finished", "cancelled by client"):
             st.last_error = reason
         if st is not None and not st.connected:
-            st.state = "finished" if reason == "finished" else "disconnected"
+            if reason == "finished":
+                st.all_sent()
+            else:
+                st.state = "disconnected"
         log.info("stream closed job=%s rank=%d: %s", stream.spec.job, stream.spec.rank, reason)
 
     def report(self, job: str, rank: int, wait_s: float, step_s: float,
                position: tuple[int, int] | None = None, batches: int = 0) -> None:
+        if position is not None and job not in self.jobs.jobs:
+            # A rank training on what it was sent before this process (re)started, or streaming
+            # from another process of this port: its job stays known to status while it reports.
+            self.jobs.jobs[job] = Job(job=job, dataset="", key=None, world_size=0, idle_since=time.monotonic())
         j = self.jobs.get(job)
+        if position is not None and rank not in j.ranks:
+            j.ranks[rank] = RankState(rank=rank, state="reporting")
         st = j.ranks.get(rank)
         if st is None:
             raise NotFound(f"job {job!r} has no rank {rank} on this feeder (ranks: {sorted(j.ranks)})")
         st.wait_s += max(0.0, wait_s)
         st.step_s += max(0.0, step_s)
         if position is not None:
-            st.consumed = position
+            st.took(position)
             stream = j.streams.get((rank, 0))
             if stream is not None:
                 stream.plan.taken(position[1])
@@ -198,7 +210,8 @@ def _rank_status(r, region: str) -> RankStatus:
                       tokens_per_s=r.tokens_per_s, queue_depth=r.queue_depth, data_wait_fraction=r.data_wait_fraction,
                       last_error=r.last_error, peer=r.peer, restarts=max(0, r.streams_opened - 1),
                       failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
-                      state=r.state)
+                      state=r.state, samples_sent=r.samples_done, reported=r.consumed is not None,
+                      sent_epoch=r.epoch)
 
 
 # Threads that make plans (Source.plan may block: a Kafka epoch's snapshot is built once while

@@ -38,8 +38,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                RANK),
     "feeder_rank_connected": ("gauge", "1 while the rank has an open stream here", RANK),
     "feeder_epoch": ("gauge", "Epoch the rank's training loop is in (reported; else the epoch being sent)", RANK),
-    "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank has consumed (reported) or been sent",
-                                    RANK),
+    "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank's loop has taken (reported; 0 before "
+                                    "its first report)", RANK),
+    "feeder_epoch_sent_ratio": ("gauge", "Share of the epoch being sent that was sent (runs ahead of what was "
+                                "taken)", RANK),
     "feeder_source_read_seconds": ("histogram", "Time to read one batch's tokens from the source", RANK),
     "feeder_source_samples_total": ("counter", "Samples sent from each source of the rank's mixture",
                                     ("job", "rank", "source")),
@@ -49,6 +51,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_streams_open": ("gauge", "Streams open in this process", ()),
     "feeder_jobs": ("gauge", "Jobs known to this process", ()),
     "feeder_resident_memory_bytes": ("gauge", "Resident set size of this process", ()),
+    "feeder_scrubbed_bytes_total": ("counter", "Bytes of verified chunks re-hashed by the background scrub",
+                                    ("dataset",)),
+    "feeder_chunks_changed_total": ("counter", "Chunks the scrub found changed on disk (DATA_LOSS since)",
+                                    ("dataset",)),
     "feeder_order_build_ratio": ("gauge", "How far each epoch order under way here is built (0..1)", ("order",)),
     "feeder_orders_built_total": ("counter", "Epoch orders this process built", ()),
     "feeder_order_build_seconds_total": ("counter", "Seconds this process spent building epoch orders", ()),
@@ -110,6 +116,8 @@ class EngineCollector:
             epoch, done = st.position
             fam["feeder_epoch"].add_metric(lab, epoch)
             fam["feeder_epoch_progress_ratio"].add_metric(lab, done / st.samples_in_epoch if st.samples_in_epoch else 0.0)
+            fam["feeder_epoch_sent_ratio"].add_metric(lab, st.samples_done / st.samples_in_epoch
+                                                      if st.samples_in_epoch else 0.0)
             cum, buckets = 0, []
             for bound, n in zip((*READ_BUCKETS, float("inf")), st.read_buckets):
                 cum += n
@@ -125,6 +133,10 @@ class EngineCollector:
         fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
         fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)
         fam["feeder_info"].add_metric([e.version, e.cfg.region], 1.0)
+        if e.scrubber is not None:
+            for name in e.scrubber.sources:
+                fam["feeder_scrubbed_bytes_total"].add_metric([name], e.scrubber.scrubbed_bytes[name])
+                fam["feeder_chunks_changed_total"].add_metric([name], e.scrubber.changed[name])
         for b in e.orders.builds():
             fam["feeder_order_build_ratio"].add_metric([b.name], b.fraction)
         fam["feeder_orders_built_total"].add_metric([], e.orders.built)
@@ -132,12 +144,39 @@ class EngineCollector:
         yield from fam.values()
 
 
+def requiring_token(app, tokens):
+    """The WSGI app behind a bearer token with `metrics = true` in the tokens file: /metrics
+    lists every job's progress and rates, which Status shows only to a token of that job."""
+    from feeder.security import bearer
+
+    def refuse(start_response, status: str, why: str):
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                                ("WWW-Authenticate", 'Bearer realm="feeder metrics"')])
+        return [why.encode() + b"\n"]
+
+    def guarded(environ, start_response):
+        token = bearer([("authorization", environ.get("HTTP_AUTHORIZATION", ""))])
+        if not token:
+            return refuse(start_response, "401 Unauthorized", "/metrics needs a bearer token with metrics = true "
+                          "(Prometheus: authorization: credentials_file: ...)")
+        grant = tokens.lookup(token)
+        if grant is None:
+            return refuse(start_response, "401 Unauthorized", "the bearer token is not valid for this feeder")
+        if not grant.metrics:
+            return refuse(start_response, "403 Forbidden", f"token {grant.name!r} has no metrics scope "
+                          "(metrics = true in the tokens file)")
+        return app(environ, start_response)
+    return guarded
+
+
 def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
-                  tls: tuple[str, str, str] | None = None) -> tuple[object, str]:
+                  tls: tuple[str, str, str] | None = None, tokens=None) -> tuple[object, str]:
     """Serve /metrics on HOST:PORT (port 0: any free port); returns (server, 'HOST:PORT').
     With tls=(cert, key, client_ca) it is HTTPS with the feeder's own certificate (and
     client certificates required when client_ca is set), re-read when the files change, as
-    the gRPC port's are: each new connection gets the certificate as it is then."""
+    the gRPC port's are: each new connection gets the certificate as it is then.
+    With `tokens` (a TokenStore) and no client certificates required, a scrape needs a bearer
+    token with the metrics scope; a client certificate from the deployment's CA is enough."""
     import socket
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -172,8 +211,11 @@ def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, loop))
+    app = make_wsgi_app(registry)
+    if tokens is not None and not (tls and tls[2]):
+        app = requiring_token(app, tokens)
     try:
-        server = make_server(host, int(port), make_wsgi_app(registry), Server, handler_class=Quiet)
+        server = make_server(host, int(port), app, Server, handler_class=Quiet)
     except OSError as e:
         raise Unavailable(f"cannot serve metrics on {host}:{port}: {e.strerror or e}; every feeder process on a "
                           "host needs a metrics port of its own (--metrics-port)") from None

@@ -24,7 +24,12 @@ class RankStatus:
     tokens_sent: int
     bad_records: int
     region: str
-    state: str                   # streaming | finished (all sent) | disconnected
+    # streaming | all sent (the loop has not reported its last batch) | finished (the loop took
+    # its last batch) | disconnected
+    state: str
+    samples_sent: int = 0        # of sent_epoch: runs ahead of what the loop took
+    reported: bool = False       # samples_done (what the loop took) is known from its reports
+    sent_epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,4 +50,6 @@ class ProcessStatus:
     threads: int
     processes: int
     jobs: tuple[JobStatus, ...]
+    chunks_changed: int = 0      # found changed on disk by the background scrub (DATA_LOSS since)
+    scrubbed_bytes: int = 0
     building: tuple[str, ...] = ()   # builds under way (epoch orders), each with how far

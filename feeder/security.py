@@ -157,15 +157,24 @@ class ReloadingSSLContext(_Reloading):
 class Grant:
     name: str
     jobs: frozenset[str]
+    # The datasets (source names) this token's streams may read; None: every one. Job names
+    # alone do not keep teams apart: any job name may ask for any dataset.
+    datasets: frozenset[str] | None = None
+    metrics: bool = False   # may scrape /metrics (which shows every job's progress)
 
     def allows(self, job: str) -> bool:
         return ALL_JOBS in self.jobs or job in self.jobs
 
+    def allows_dataset(self, name: str) -> bool:
+        return self.datasets is None or name in self.datasets
+
 
 class TokenStore:
     """The tokens file (TOML): one `[[token]]` per credential with `sha256` (of the token;
-    `feeder token` prints both) or `token` (the secret itself), `jobs` (names, or "*") and an
-    optional `name` for logs. Re-read when it changes; a broken edit keeps the last good set."""
+    `feeder token` prints both) or `token` (the secret itself), `jobs` (names, or "*"), an
+    optional `datasets` (the source names its streams may read; absent: all), `metrics = true`
+    (may scrape /metrics; such a token may name no jobs) and an optional `name` for logs.
+    Re-read when it changes; a broken edit keeps the last good set."""
 
     def __init__(self, path: str):
         self.path = path
@@ -184,17 +193,27 @@ class TokenStore:
             where = f"{self.path}: token #{i + 1}"
             if not isinstance(t, dict):
                 raise InvalidArgument(f"{where}: expected a table")
-            unknown = set(t) - {"sha256", "token", "jobs", "name"}
+            unknown = set(t) - {"sha256", "token", "jobs", "name", "datasets", "metrics"}
             if unknown:
                 raise InvalidArgument(f"{where}: unknown key(s) {sorted(unknown)}; expected sha256 or token, "
-                                      "jobs, name")
+                                      "jobs, datasets, metrics, name")
             digest = t.get("sha256") or (token_hash(t["token"]) if t.get("token") else "")
             if len(digest) != 64:
                 raise InvalidArgument(f"{where}: needs sha256 = \"<64 hex digits>\" or token = \"...\"")
-            jobs = t.get("jobs")
-            if not isinstance(jobs, list) or not jobs or not all(isinstance(j, str) and j for j in jobs):
-                raise InvalidArgument(f"{where}: jobs must be a non-empty list of job names (or [\"*\"])")
-            grants[digest.lower()] = Grant(name=str(t.get("name", f"token{i + 1}")), jobs=frozenset(jobs))
+            metrics = t.get("metrics", False)
+            if not isinstance(metrics, bool):
+                raise InvalidArgument(f"{where}: metrics must be true or false, got {metrics!r}")
+            jobs = t.get("jobs", [] if metrics else None)
+            if not _names(jobs, empty_ok=metrics):
+                raise InvalidArgument(f"{where}: jobs must be a non-empty list of job names (or [\"*\"]); only a "
+                                      "metrics = true token may leave it out")
+            datasets = t.get("datasets")
+            if datasets is not None and not _names(datasets, empty_ok=False):
+                raise InvalidArgument(f"{where}: datasets must be a non-empty list of source names (leave it out "
+                                      "for all)")
+            grants[digest.lower()] = Grant(name=str(t.get("name", f"token{i + 1}")), jobs=frozenset(jobs),
+                                           datasets=None if datasets is None else frozenset(datasets),
+                                           metrics=metrics)
         return grants
 
     def _maybe_reload(self) -> None:
@@ -211,6 +230,10 @@ class TokenStore:
     def lookup(self, token: str) -> Grant | None:
         self._maybe_reload()
         return self.grants.get(token_hash(token))
+
+
+def _names(value, empty_ok: bool) -> bool:
+    return isinstance(value, list) and (empty_ok or bool(value)) and all(isinstance(v, str) and v for v in value)
 
 
 def bearer(metadata) -> str:
@@ -243,14 +266,29 @@ def check_job(grant: Grant, method: str, job: str) -> None:
                       code=Code.PERMISSION_DENIED)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Admits a Feeder call only with a valid bearer token, and only for the job it names.
-    The job is in the request body, which an interceptor cannot see, so the handler is
-    wrapped to check it before the servicer runs."""
+def check_datasets(grant: Grant, method: str, names) -> None:
+    denied = [n for n in names if not grant.allows_dataset(n)]
+    if denied:
+        raise FeederError(f"token {grant.name!r} may not {method} dataset {denied[0]!r}; it grants datasets "
+                          f"{sorted(grant.datasets or ())}", code=Code.PERMISSION_DENIED)
 
-    def __init__(self, store: TokenStore, status_map):
+
+def requested_datasets(name: str, request, default: str) -> list[str]:
+    """The source names a Stream or Info request reads ("" is the feeder's default)."""
+    if name == "Stream" and len(request.mixture):
+        return [m.source for m in request.mixture]
+    return [request.dataset or default]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Admits a Feeder call only with a valid bearer token, and only for the job and the
+    datasets it names. Both are in the request body, which an interceptor cannot see, so the
+    handler is wrapped to check them before the servicer runs."""
+
+    def __init__(self, store: TokenStore, status_map, default_dataset: str = ""):
         self.store = store
         self.status = status_map
+        self.default_dataset = default_dataset
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -271,8 +309,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     raise err
                 # A request that did not parse comes as the servicer's InvalidArgument: it names
                 # no job, and the servicer answers it once the token has been checked.
-                if name in JOB_SCOPED and not isinstance(request, FeederError):
+                if isinstance(request, FeederError):
+                    return
+                if name in JOB_SCOPED:
                     check_job(grant, name, request.job)
+                if name in ("Stream", "Info"):
+                    check_datasets(grant, name, requested_datasets(name, request, self.default_dataset))
             except FeederError as e:
                 log.warning("refused %s from %s: %s", name, context.peer(), e)
                 await context.abort(status[e.code], e.message)
@@ -342,12 +384,14 @@ class ClientSecurity:
         return (("authorization", f"Bearer {tok}"),) if tok else ()
 
 
-def explain(e: grpc.RpcError, target: str, security: ClientSecurity) -> str:
-    """An RpcError in words, with the likely fix for the transport mistakes people make."""
+def explain(e: grpc.RpcError, target: str, security: ClientSecurity, answered: bool = False) -> str:
+    """An RpcError in words, with the likely fix for the transport mistakes people make.
+    `answered`: this target has answered us before, so a closed socket is a feeder gone (killed,
+    restarted), not a TLS mismatch, and no TLS hint is given."""
     code, details = e.code(), e.details() or ""
     msg = f"{target}: {code.name}: {details}"
     low = details.lower()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE and not answered:
         if not security.tls and ("socket closed" in low or "connection reset" in low or "eof" in low):
             msg += " (does this feeder use TLS? pass its CA: --ca / FeederDataset(tls_ca=...))"
         elif security.tls and not security.cert and "socket closed" in low:

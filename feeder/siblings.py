@@ -68,9 +68,14 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         out.rss_mb += r.rss_mb
         out.tasks += r.tasks
         out.threads += r.threads
+        out.chunks_changed += r.chunks_changed
+        out.scrubbed_bytes += r.scrubbed_bytes
         out.building.extend(b for b in r.building if b not in out.building)
         for j in r.jobs:
-            jobs.setdefault(j.job, j)
+            # A process that only hears a job's reports knows neither its world size nor its
+            # dataset (world_size 0): the record of a process that streamed it says them.
+            if j.job not in jobs or jobs[j.job].world_size < j.world_size:
+                jobs[j.job] = j
             for rank in j.ranks:
                 ranks.setdefault(j.job, {}).setdefault(rank.rank, []).append(rank)
     for name in sorted(jobs):

@@ -34,25 +34,42 @@ def render(reply, target: str):
     from rich.table import Table
 
     procs = f"  processes={reply.processes}" if reply.processes > 1 else ""
+    # A chunk changed on disk under a running feeder is news an operator must not miss.
+    changed = f"  CHUNKS CHANGED ON DISK={reply.chunks_changed} (DATA_LOSS)" if reply.chunks_changed else ""
     t = Table(title=f"feeder {target}  region={reply.region}{procs}  up {reply.uptime_s:.0f}s  "
-                    f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB", title_justify="left")
+                    f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB  "
+                    f"scrubbed={reply.scrubbed_bytes / 2**20:.0f} MiB{changed}", title_justify="left")
     left = ("job", "dataset", "region", "state", "last error")
-    for col in ("job", "dataset", "rank", "region", "state", "epoch", "progress", "tokens/s", "queue", "data-wait", "sent",
-                "restarts", "failovers", "bad records", "last error"):
+    for col in ("job", "dataset", "rank", "region", "state", "epoch", "taken", "sent ahead", "tokens/s", "queue",
+                "data-wait", "sent", "restarts", "failovers", "bad records", "last error"):
         t.add_column(col, justify="left" if col in left else "right")
     if reply.building:
         t.caption = "\n".join(reply.building)
     for j in reply.jobs:
         for r in j.ranks:
-            pct = 100.0 * r.samples_done / r.samples_in_epoch if r.samples_in_epoch else 0.0
             t.add_row(j.job, j.dataset, f"{r.rank}/{j.world_size}", r.region or reply.region,
-                      r.state or ("streaming" if r.connected else "idle"), str(r.epoch),
-                      f"{r.samples_done}/{r.samples_in_epoch} ({pct:.0f}%)", f"{r.tokens_per_s:,.0f}",
-                      str(r.queue_depth), f"{100 * r.data_wait_fraction:.1f}%", f"{r.bytes_sent / 2**20:.1f} MiB",
-                      str(r.restarts), str(r.failovers), str(r.bad_records), r.last_error[:60])
+                      r.state or ("streaming" if r.connected else "idle"), str(r.epoch), _taken(r), _sent(r),
+                      f"{r.tokens_per_s:,.0f}", str(r.queue_depth), f"{100 * r.data_wait_fraction:.1f}%",
+                      f"{r.bytes_sent / 2**20:.1f} MiB", str(r.restarts), str(r.failovers), str(r.bad_records),
+                      r.last_error[:60])
     if not reply.jobs:
         t.caption = "no jobs yet"
     return t
+
+
+def _taken(r) -> str:
+    """What the rank's loop has taken (its reports), never what was only sent."""
+    if not r.reported:
+        return "not reported yet"
+    pct = 100.0 * r.samples_done / r.samples_in_epoch if r.samples_in_epoch else 0.0
+    return f"{r.samples_done}/{r.samples_in_epoch} ({pct:.0f}%)"
+
+
+def _sent(r) -> str:
+    """Sent: ahead of what was taken by the prefetch, the network and the client's read-ahead."""
+    ahead = r.samples_sent - r.samples_done if r.reported and r.sent_epoch == r.epoch else None
+    return f"{r.samples_sent}" + (f" (+{ahead})" if ahead else "") + ("" if r.sent_epoch == r.epoch
+                                                                       else f" of epoch {r.sent_epoch}")
 
 
 def _view(target: str, job: str, security: ClientSecurity):

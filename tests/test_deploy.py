@@ -33,8 +33,8 @@ def region_configs(directory: Path, monkeypatch) -> dict[str, dict]:
     out = {}
     for name in REGIONS:
         values = load_region(str(directory / f"{name}.toml"))
-        values.pop("cursor_secret_file", None)
-        ServeConfig(**values)  # every value valid
+        values.pop("cursor_secret_file", None)   # what serve reads it into:
+        ServeConfig(**values, cursor_secret=b"k")  # every value valid
         out[name] = values
     return out
 
@@ -146,7 +146,7 @@ def test_kubernetes_overlays_differ_only_where_regions_differ(monkeypatch):
             assert f"/{name}/" in p["spec"]["template"]["spec"]["volumes"][0]["hostPath"]["path"]
         values = load_region(str(d / "region.toml"))
         secret = values.pop("cursor_secret_file")
-        ServeConfig(**values)
+        ServeConfig(**values, cursor_secret=b"k")
         configs[name] = values
         # Everything the feeder reads is where the base mounts it; it listens where the pod's ports are.
         for path in (values["source"], values["tls_cert"], values["tls_key"], values["tls_client_ca"],
@@ -190,7 +190,7 @@ def test_a_region_file_can_ask_for_several_processes(tmp_path):
                                                                                'region = "us-east"\nprocesses = 4'))
     values = load_region(str(region))
     values.pop("cursor_secret_file")
-    assert ServeConfig(**values).processes == 4
+    assert ServeConfig(**values, cursor_secret=b"k").processes == 4
     region.write_text('source = "d"\nprocesses = 0\n')
     with pytest.raises(InvalidArgument, match="processes must be a positive integer, got 0"):
         ServeConfig(**load_region(str(region)))

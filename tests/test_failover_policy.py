@@ -147,3 +147,31 @@ def test_targets_nearest_first_in_steps_keeping_the_given_order_among_equals():
 
 def test_status_names_map_to_codes():
     assert code_of("UNAVAILABLE") == Code.UNAVAILABLE and code_of("UNKNOWN") == Code.INTERNAL
+
+
+def test_while_no_target_ever_answered_it_gives_up_after_connect_timeout_naming_every_target():
+    p = Policy([A, B], 300.0, 0.0, 100.0, rank=3, connect_timeout_s=30.0)
+    t = 100.0
+    while isinstance(act := p.broke(f"{p.target}: UNAVAILABLE: connection refused", t), Retry):
+        t += max(act.wait_s, 0.05)
+    assert isinstance(act, GiveUp) and act.error.code == Code.UNAVAILABLE
+    assert 130.0 <= t <= 130.1     # at connect_timeout_s (the last backoff ends there), not retry_for_s
+    assert "connect_timeout_s=30" in str(act.error) and "rank 3" in str(act.error)
+    assert f"{A}: UNAVAILABLE: connection refused" in str(act.error) and f"{B}: UNAVAILABLE" in str(act.error)
+
+
+def test_once_a_target_answered_retry_for_s_keeps_its_meaning():
+    for answered in (Policy.batch_received, Policy.reached):
+        p = Policy([A], 300.0, 0.0, 0.0, rank=3, connect_timeout_s=30.0)
+        answered(p)
+        assert isinstance(p.broke("a:1: socket closed", 10.0), Retry)
+        assert isinstance(p.broke("a:1: connection refused", 250.0), Retry)   # past connect_timeout_s
+        assert isinstance(p.broke("a:1: connection refused", 311.0), GiveUp)
+
+
+def test_a_failure_is_worth_a_log_line_once_per_target_until_it_changes_or_a_batch_arrives():
+    p = policy()
+    assert p.worth_logging(A, "refused") and not p.worth_logging(A, "refused")
+    assert p.worth_logging(B, "refused") and p.worth_logging(A, "reset") and not p.worth_logging(A, "reset")
+    p.batch_received()
+    assert p.worth_logging(A, "reset")

@@ -81,7 +81,8 @@ def test_nothing_imports_the_folders_by_their_names():
                     if n.split(".")[0] in INSTALLED.values() and is_module(n)]
     folder_module = re.compile(r"(\bfrom (client|trainer|bench)\b[. ]|\bimport (client|trainer|bench)\b|"
                                r"-m (client|trainer|bench)\b|= (client|trainer|bench)\.)")
-    for path in [ROOT / "Makefile", ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / ".ci").glob("*"))]:
+    for path in [ROOT / "Makefile", ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md")),
+                 *sorted((ROOT / ".ci").glob("*"))]:
         bad += [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
                 if folder_module.search(line)]
     assert not bad, bad

@@ -20,6 +20,7 @@ from feeder.security import ClientSecurity, token_hash
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 from tests.helpers import FeederProc, check_batches, expected_ids, free_port
+from tests.helpers import refused as refused_at_start
 
 pytestmark = pytest.mark.security
 SEQ, MB, SEED = 16, 4, 5
@@ -208,13 +209,15 @@ def test_fingerprint_mismatch_is_refused_and_the_client_moves_to_a_matching_regi
         good.stop()
 
 
-def test_plain_text_beyond_loopback_needs_insecure(dataset):
+def test_plain_text_beyond_loopback_needs_insecure(dataset, tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(dataset), "--listen", f"0.0.0.0:{port}"]
+    secret = tmp_path / "cursor-secret"
+    secret.write_text("s3cret-of-this-deployment\n")
+    cmd = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(dataset), "--listen", f"0.0.0.0:{port}",
+           "--cursor-secret-file", str(secret)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "beyond loopback" in r.stderr and "--insecure" in r.stderr and "--tls-cert" in r.stderr
-    f = FeederProc(dataset, port=port, extra=["--insecure"], host="0.0.0.0")
+    refused_at_start(r, "beyond loopback", "--insecure", "--tls-cert")
+    f = FeederProc(dataset, port=port, extra=["--insecure", "--cursor-secret-file", str(secret)], host="0.0.0.0")
     try:
         info = feeder_info([f"127.0.0.1:{port}"])
         assert info.fingerprint
@@ -223,6 +226,22 @@ def test_plain_text_beyond_loopback_needs_insecure(dataset):
     # Loopback stays plain by default (the local-development contract).
     f = FeederProc(dataset)
     f.stop()
+
+
+def test_beyond_loopback_a_feeder_refuses_to_start_without_a_cursor_secret(dataset, monkeypatch):
+    # Issue 28: the development key is in the source, so a feeder reachable from elsewhere
+    # with it would accept forged cursors. Refused like plain text without --insecure.
+    monkeypatch.delenv("FEEDER_CURSOR_SECRET", raising=False)
+    cmd = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(dataset), "--listen",
+           f"0.0.0.0:{free_port()}", "--insecure"]
+    refused_at_start(subprocess.run(cmd, capture_output=True, text=True, timeout=60), "--cursor-secret-file",
+                     "beyond loopback")
+    # Given, it starts (the previous test starts one with --cursor-secret-file); loopback keeps
+    # the development key for local use.
+    from feeder.config import ServeConfig
+
+    assert ServeConfig(source=str(dataset), listen="0.0.0.0:1", insecure=True, cursor_secret=b"k").cursor_secret
+    assert not ServeConfig(source=str(dataset), listen="127.0.0.1:1").cursor_secret
 
 
 def test_metrics_port_speaks_https_with_the_feeders_certificate(secure_feeder, pki):

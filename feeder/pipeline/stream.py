@@ -44,9 +44,9 @@ class RankState:
 
     rank: int
     connected: bool = False
-    state: str = "streaming"     # streaming | finished (all sent) | disconnected
-    epoch: int = 0
-    samples_done: int = 0
+    state: str = "streaming"     # streaming | all sent | finished (the loop took the last) | disconnected
+    epoch: int = 0               # being sent
+    samples_done: int = 0        # sent, of that epoch
     samples_in_epoch: int = 0
     batches_sent: int = 0
     bytes_sent: int = 0
@@ -64,6 +64,7 @@ class RankState:
     seq_len: int = 0
     taken_rate: float | None = None  # tokens/s the training loop takes (from its reports)
     consumed: tuple[int, int] | None = None   # (epoch, step) of the last batch the loop took
+    last_sent: tuple[int, int] | None = None  # (epoch, step) of the last batch sent
     read_s: float = 0.0          # time spent reading the source for this rank's batches
     reads: int = 0
     read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
@@ -110,12 +111,24 @@ class RankState:
 
     @property
     def position(self) -> tuple[int, int]:
-        """(epoch, samples of it) the rank has taken, from its reports; until the first
-        report, what was sent (which runs ahead by the prefetch and the socket buffers)."""
+        """(epoch, samples of it) the rank's loop has taken, from its reports; (epoch being
+        sent, 0) until its first report: what was sent runs ahead by the prefetch, the network's
+        buffers and the client's read-ahead, and is never shown as taken."""
         if self.consumed is not None:
             epoch, step = self.consumed
             return epoch, min(self.samples_in_epoch, (step + 1) * self.micro_batch)
-        return self.epoch, self.samples_done
+        return self.epoch, 0
+
+    def took(self, position: tuple[int, int]) -> None:
+        """The rank's loop reports the (epoch, step) of the last batch it took."""
+        self.consumed = position
+        if self.state == "all sent" and self.last_sent is not None and position >= self.last_sent:
+            self.state = "finished"
+
+    def all_sent(self) -> None:
+        """The stream ran to its end: finished once the loop has taken the last batch too."""
+        done = self.consumed is not None and self.last_sent is not None and self.consumed >= self.last_sent
+        self.state = "finished" if done else "all sent"
 
 
 @dataclass
@@ -459,6 +472,8 @@ class RankStream:
                     per = block.samples_in_epoch
                     st.epoch, st.samples_in_epoch = int(block.epochs[-1]), per
                     st.samples_done = min(per, (int(block.steps[-1]) + 1) * self.spec.micro_batch)
+                    last = (int(block.epochs[-1]), int(block.steps[-1]))
+                    st.last_sent = last if st.last_sent is None else max(st.last_sent, last)
                     st.queue_depth = len(self._items)
                 yield block, wire
         finally:

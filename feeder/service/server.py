@@ -88,7 +88,7 @@ class Server:
             from feeder.service.servicer import STATUS
 
             self.tokens = TokenStore(cfg.tokens_file)
-            interceptors.append(AuthInterceptor(self.tokens, STATUS))
+            interceptors.append(AuthInterceptor(self.tokens, STATUS, default_dataset=self.engine.default))
         # SO_REUSEPORT only among the processes of one `serve --processes N` (siblings): grpcio
         # sets it by default, so a second feeder started on a taken port, with other data, would
         # silently get half the connections (found by the soak: two scenarios' feeders on one
@@ -116,7 +116,7 @@ class Server:
 
             self.metrics_server, self.metrics_address = start_metrics(
                 self.engine, asyncio.get_running_loop(), cfg.metrics_listen,
-                tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None)
+                tls=(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None, tokens=self.tokens)
         try:
             self.port = (self.server.add_secure_port(cfg.listen, self.certificates.credentials()) if cfg.tls
                          else self.server.add_insecure_port(cfg.listen))
@@ -129,6 +129,13 @@ class Server:
                               "share a port only under `serve --processes N` or with --reuse-port) or the host "
                               "is not an address of this machine")
         await self.server.start()
+        if cfg.scrub_mb_s:
+            from feeder.scrub import Scrubber
+            from feeder.sources.posix import PosixSource
+
+            # The sources served from files (formats included); Kafka's are its own.
+            self.engine.scrubber = Scrubber({n: s for n, s in self.engine.sources.items()
+                                             if isinstance(s, PosixSource)}, cfg.scrub_mb_s)
         if self.engine.siblings is not None:
             self._publisher = asyncio.create_task(self._publish_status())
         for name in ("", SERVICE):
@@ -157,6 +164,8 @@ class Server:
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.shutdown()
+        if self.engine.scrubber is not None:
+            self.engine.scrubber.stop()
         if self.server is not None:
             await self.server.stop(self.cfg.grace_s if grace is None else grace)
         if self._publisher is not None:

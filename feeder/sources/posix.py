@@ -149,6 +149,23 @@ class PosixSource:
                     self._decoded_bytes -= old.nbytes
         return arr
 
+    def rescrub(self, k: int) -> tuple[int, str]:
+        """Check chunk k again if it was verified and is served from the memory map (what a
+        later change on disk would reach unseen): (bytes hashed, why it cannot be served, or "").
+        A changed chunk leaves the map and its shard is DATA_LOSS from then on. Decoded chunks
+        are copies, checked each time they are read from disk, and are not scrubbed."""
+        arr = self._mapped.get(k)
+        if arr is None:
+            return 0, ""
+        si, ci = self._where[k]
+        why = self._check(si, ci, arr)
+        if why:
+            why = f"{why} (found by the background scrub after it had been served)"
+            with self._lock:
+                self._bad[si] = why
+                self._mapped.pop(k, None)
+        return arr.nbytes, why
+
     # The two steps a source of another on-disk format (feeder.sources.formats) replaces:
     # how a chunk is read, and what is checked on its first read.
     def _load(self, si: int, ci: int) -> tuple[np.ndarray, bool]:

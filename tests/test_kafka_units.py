@@ -123,17 +123,18 @@ def test_bad_record_details_say_what_is_wrong():
 def test_url_defaults():
     u = KafkaURL.parse("kafka://h1:9092,h2:9092/topic-a")
     assert u == KafkaURL(bootstrap="h1:9092,h2:9092", topic="topic-a")
-    assert (u.mode, u.bad_records, u.vocab_size, u.eos_id, u.max_record_bytes, u.spool, u.group, u.epoch_ttl_s) == \
-        ("bounded", "fail", 0, -1, 16 << 20, "", "", EPOCH_TTL_S)
+    assert (u.mode, u.bad_records, u.vocab_size, u.eos_id, u.max_record_bytes, u.spool, u.group, u.epoch_ttl_s,
+            u.window_bytes) == ("bounded", "fail", 0, -1, 16 << 20, "", "", EPOCH_TTL_S, 64 << 20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         u.mode = "follow"
 
 
 def test_every_url_option_is_read():
     u = KafkaURL.parse("kafka://h:1/t?mode=follow&bad_records=skip&vocab_size=50257&eos_id=50256"
-                       "&max_record_bytes=1024&spool=/tmp/sp&group=dash&epoch_ttl_s=2.5")
+                       "&max_record_bytes=1024&spool=/tmp/sp&group=dash&epoch_ttl_s=2.5&window_bytes=4096")
     assert u == KafkaURL(bootstrap="h:1", topic="t", mode="follow", bad_records="skip", vocab_size=50257,
-                         eos_id=50256, max_record_bytes=1024, spool="/tmp/sp", group="dash", epoch_ttl_s=2.5)
+                         eos_id=50256, max_record_bytes=1024, spool="/tmp/sp", group="dash", epoch_ttl_s=2.5,
+                         window_bytes=4096)
 
 
 def test_command_line_vocab_applies_unless_the_url_names_one():
@@ -153,7 +154,7 @@ BAD_URLS = {
     "kafka://h:1/a/b": URL_SHAPE + "'kafka://h:1/a/b'",
     "kafka://h:1/t?colour=red&mode=follow": "unknown Kafka URL option(s) ['colour']; known: ['bad_records', 'eos_id', "
                                             "'epoch_ttl_s', 'group', 'max_record_bytes', 'mode', 'spool', "
-                                            "'vocab_size']",
+                                            "'vocab_size', 'window_bytes']",
     "kafka://h:1/t?mode=tail": "Kafka URL option mode must be bounded or follow, got 'tail'",
     "kafka://h:1/t?mode=": "Kafka URL option mode must be bounded or follow, got ''",
     "kafka://h:1/t?bad_records=drop": "Kafka URL option bad_records must be fail or skip, got 'drop'",
@@ -163,6 +164,8 @@ BAD_URLS = {
     "kafka://h:1/t?max_record_bytes=1e6": "Kafka URL option max_record_bytes must be an integer, got '1e6'",
     "kafka://h:1/t?max_record_bytes=0": "max_record_bytes must be positive, got 0",
     "kafka://h:1/t?max_record_bytes=-5": "max_record_bytes must be positive, got -5",
+    "kafka://h:1/t?window_bytes=0": "Kafka URL option window_bytes must be positive, got 0",
+    "kafka://h:1/t?window_bytes=1M": "Kafka URL option window_bytes must be an integer, got '1M'",
     "kafka://h:1/t?epoch_ttl_s=soon": "Kafka URL option epoch_ttl_s must be a number, got 'soon'",
     "kafka://h:1/t?epoch_ttl_s=0": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got 0.0",
     "kafka://h:1/t?epoch_ttl_s=-1": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got -1.0",

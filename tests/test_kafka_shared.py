@@ -58,9 +58,9 @@ def test_follow_eight_ranks_on_one_feeder_fetch_each_record_once(kafka_broker, t
 
 def test_follow_rank_ten_times_slower_reads_alone_then_rejoins_within_the_window_budget(kafka_broker, tmp_path):
     """Rank 3 takes 10x as long per batch as the others for most of the topic: the others are
-    not held back; the window stays within its budget (16 KiB, ~1/12 of the topic), so it drops
-    what rank 3 still needs and rank 3 reads on its own; once it speeds up it catches up and
-    shares the window again. Every rank's stream stays exact."""
+    not held back; the window stays within its budget (16 KiB, ~1/12 of the topic), so rank 3,
+    behind it, reads on its own; once it speeds up it catches up and shares the window again.
+    Every rank's stream stays exact."""
     docs = make_docs(960, seed=51)
     topic = publish(kafka_broker, docs, tmp_path, topic_name("slow"))
     seq_len, mb, budget, slow = 64, 4, 16384, 3
@@ -106,7 +106,9 @@ def test_follow_rank_ten_times_slower_reads_alone_then_rejoins_within_the_window
     fast_done = max(t for r, t in enumerate(done_at) if r != slow)
     assert fast_done < slow_half[0], ("the fast ranks were held back by the slow one",
                                       [t - slow_half[0] for t in done_at], fig)
-    assert fig["dropped"] >= 1 and fig["solo"] >= 1 and fig["rejoined"] >= 1, fig
+    # Streams read on their own (the slow one once the window dropped what it needed, or from
+    # its start when it opened already behind a window this small) and joined the window again.
+    assert fig["solo"] >= 1 and fig["rejoined"] >= 1, str(fig)
     # The window's bytes: within the budget, plus at most one record (the largest here is < 1 KiB).
     assert 0 < peak["bytes"] <= budget + 1024, peak
     assert fig["fetched"] == len(docs), fig

@@ -60,13 +60,17 @@ class FollowWindow:
     """The records of one topic's interleave that this process's follow streams share.
 
     Window index g is the record's k counted from the state the window was seeded at; entries
-    hold [base, base + len). One thread (`_run`) fetches; streams wait on `_cond`."""
+    hold [base, base + len). One thread (`_run`) fetches, waiting on `_need`; streams wait on
+    `_data`. Two conditions over one lock: a stream at the tail wakes the fetcher only, never
+    the other streams waiting there (which would wake each other without end)."""
 
     def __init__(self, url: KafkaURL, parts: list[int], *, dtype: np.dtype, vocab_size: int, eos_id: int):
         self.url, self.parts = url, parts
         self.dtype, self.vocab_size, self.eos_id = dtype, vocab_size, eos_id
         self.budget = url.window_bytes
-        self._cond = threading.Condition()
+        self._cond = threading.Lock()
+        self._data = threading.Condition(self._cond)   # records appended, or the streams' end (error)
+        self._need = threading.Condition(self._cond)   # a stream reached the tail, joined, or left
         self._entries: deque[_Entry] = deque()
         self._index: dict[tuple, int] = {}   # _key(entry.before) -> window index
         self._base = 0
@@ -102,7 +106,7 @@ class FollowWindow:
                 self._thread = threading.Thread(target=self._run, name=f"kafka-window-{self.url.topic}",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            self._need.notify()
             return True
 
     def leave(self, sub: "Subscription") -> None:
@@ -110,7 +114,7 @@ class FollowWindow:
             self._attached.discard(sub)
             if self._retired and not self._attached:
                 self._closed = True
-                self._cond.notify_all()
+                self._need.notify()
 
     def retire(self) -> None:
         """Another window replaces this one for new streams; it closes once its own have left."""
@@ -118,7 +122,7 @@ class FollowWindow:
             self._retired = True
             if not self._attached:
                 self._closed = True
-                self._cond.notify_all()
+                self._need.notify()
 
     def take(self, sub: "Subscription", wait_s: float = 0.2) -> list[tuple[int, _Entry]] | None:
         """`sub`'s next own records (window index, entry) from its position, up to TAKE; [] when
@@ -143,8 +147,8 @@ class FollowWindow:
                     return out
                 if attempt == 0:
                     sub.pos = max(sub.pos, min(g, end))   # at the tail: tell the fetcher it is needed
-                    self._cond.notify_all()
-                    self._cond.wait(wait_s)
+                    self._need.notify()
+                    self._data.wait(wait_s)
             return []
 
     # -- the fetcher
@@ -173,7 +177,7 @@ class FollowWindow:
             while True:
                 with self._cond:
                     while not self._closed and (not self._attached or self._ahead() >= self.budget // 2):
-                        self._cond.wait(1.0)
+                        self._need.wait(1.0)
                     if self._closed:
                         return
                     if seed != self._seed:
@@ -251,7 +255,9 @@ class FollowWindow:
                 return
             tail, entries = self._tail, self._entries
             added = False
-            while queues[tail.turn] and self._ahead() < self.budget // 2:
+            room = self.budget // 2 - self._ahead()   # computed once: it walks the streams
+            stop_at = self._cum + room
+            while queues[tail.turn] and self._cum < stop_at:
                 j = tail.turn
                 m = queues[j].popleft()
                 if j in self._paused and len(queues[j]) < 500:
@@ -270,7 +276,7 @@ class FollowWindow:
                 del self._index[_key(gone.before)]
                 self._base += 1
             if added:
-                self._cond.notify_all()
+                self._data.notify_all()
         self._update_high(c)
 
     def _fail(self, e: FeederError, seed: int) -> None:
@@ -283,7 +289,7 @@ class FollowWindow:
                 s.error = e
             self._attached.clear()
             self._reseed(self._tail)   # emptied; the next stream to join seeds it where it stands
-            self._cond.notify_all()
+            self._data.notify_all()
 
     def _on_error(self, err) -> None:
         from confluent_kafka import KafkaError
@@ -327,7 +333,8 @@ class FollowWindow:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._data.notify_all()
+            self._need.notify()
 
 
 class Subscription:

@@ -17,7 +17,8 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
-               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index"}
+               "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index",
+               "cache_dir": "cache_dir"}
 
 
 def serve_config(args):
@@ -132,6 +133,9 @@ def add_serve(sub) -> None:
     s.add_argument("--eos-id", type=int, help="with --vocab-size")
     add_format_flags(s)
     s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
+    s.add_argument("--cache-dir", help="what is built once and shared by every feeder and process that reads "
+                   "this directory (Kafka bounded epochs' snapshots, in DIR/kafka): put it on the region's shared "
+                   "filesystem to build each once per region (a Kafka URL's ?spool= wins for its topic)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--metrics-port", type=int, default=None,

@@ -268,6 +268,10 @@ class ServeConfig:
     # siblings of `--processes` do. Off by default: a feeder started twice on one port, say
     # with other data, must fail to bind rather than get half the connections.
     reuse_port: bool = False
+    # What is built once and shared by every process and feeder that can read it (Kafka epoch
+    # snapshots under kafka/): on the region's shared filesystem, built once per region.
+    # "" = each source's own default (Kafka: the URL's spool, else a directory under $TMPDIR).
+    cache_dir: str = ""
 
     def __post_init__(self):
         if bool(self.source) == bool(self.sources):

@@ -31,7 +31,7 @@ log = logging.getLogger("feeder.kafka")
 class KafkaSource:
     """Presents a topic (a `Source`); `plan` decides per stream what the job reads (see the package doc)."""
 
-    def __init__(self, url: KafkaURL):
+    def __init__(self, url: KafkaURL, *, cache_dir: str = ""):
         from confluent_kafka import Consumer
 
         self.url = url
@@ -48,7 +48,14 @@ class KafkaSource:
         self.n_tokens = self.n_documents = 0   # unknown until a job freezes its epoch
         self._register = EpochRegister(url.bootstrap, url.topic, ttl_s=url.epoch_ttl_s)
         self._groups = GroupCommits(url)
-        spool = Path(url.spool or Path(tempfile.gettempdir()) / f"feeder-kafka-spool-{os.getuid()}")
+        # Where bounded epochs' snapshots are built once and kept: shared with every feeder and
+        # process that reads the same directory (once.py keeps it to one build).
+        if url.spool:
+            spool = Path(url.spool)
+        elif cache_dir:
+            spool = Path(cache_dir) / "kafka"
+        else:
+            spool = Path(tempfile.gettempdir()) / f"feeder-kafka-spool-{os.getuid()}"
         self._snapshots = Snapshots(url, spool, dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id)
         self._window: FollowWindow | None = None   # follow mode: the records this process's streams share
 

@@ -1,0 +1,123 @@
+"""Bounded mode's snapshots built once per cache directory (feeder/sources/kafka/once.py,
+snapshot.py, partread.py): two feeders on one cache directory build an epoch once and serve it
+from that one copy; a feeder on another cache directory builds its own and serves the same ids
+and tokens. Without a broker: the build lock's rules (wait while the builder beats, take over
+from one that stopped, release on failure)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from feeder_client import FeederDataset
+from feeder.config import ServeConfig
+from feeder.sampler import n_samples
+from feeder.service.server import ServerThread
+from feeder.sources.kafka.once import build_once, lock_path
+from tests.helpers import check_batches, reference_ids
+from tests.test_kafka_regressions import EPOCH_MB, EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+
+SNAPSHOT_BUILT = "read in"   # the build's last log line: "kafka epoch ...: N documents, ... read in X s"
+
+
+def builds(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "feeder.kafka" and SNAPSHOT_BUILT in r.getMessage()]
+
+
+def rank_batches(address: str, job: str, rank: int, ranges: str = "") -> list:
+    return list(FeederDataset([address], job=job, rank=rank, world_size=2, seq_len=EPOCH_SEQ, micro_batch=EPOCH_MB,
+                              seed=EPOCH_SEED, read_ahead=1, retry_for_s=30, expected_fingerprint=ranges))
+
+
+@pytest.mark.kafka
+def test_bounded_epoch_is_built_once_per_cache_dir_and_identically_on_another(kafka_broker, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="feeder.kafka")
+    topic = f"snap-{os.getpid()}-{time.time_ns() % 10**6}"
+    trickle = Trickle(kafka_broker, topic, partitions=3, n0=3000)
+    trickle.stop()
+    url = f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256"
+    region, other = tmp_path / "region-cache", tmp_path / "other-cache"
+    cfg = dict(source=url, listen="127.0.0.1:0")
+    with ServerThread(ServeConfig(cache_dir=str(region), **cfg)) as a, \
+            ServerThread(ServeConfig(cache_dir=str(region), **cfg)) as b:
+        got: dict[int, list] = {}
+        # rank 0 on feeder A and rank 1 on feeder B open at once: both need the epoch's snapshot
+        threads = [threading.Thread(target=lambda r, f: got.__setitem__(r, rank_batches(f.address, "once", r)),
+                                    args=(r, f)) for r, f in ((0, a), (1, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert len(builds(caplog)) == 1, builds(caplog)
+    ranges = epoch_of(got[0][0])
+    assert {epoch_of(x) for bs in got.values() for x in bs} == {ranges}
+    kept = sorted(p.name for p in (region / "kafka").iterdir())
+    assert len(kept) == 1 and kept[0].startswith(topic) and not kept[0].endswith(".building"), kept
+    with ServerThread(ServeConfig(cache_dir=str(other), **cfg)) as c:   # another region's cache
+        again = {r: rank_batches(c.address, "elsewhere", r, ranges) for r in (0, 1)}
+    assert len(builds(caplog)) == 2
+    stream = epoch_stream(kafka_broker, ranges)
+    n = n_samples(len(stream), EPOCH_SEQ)
+    for r in (0, 1):
+        want = reference_ids(n, 2, r, shuffle=True, seed=EPOCH_SEED, drop_last=False, epoch=0)
+        check_batches(got[r], stream, EPOCH_SEQ, want)
+        check_batches(again[r], stream, EPOCH_SEQ, want)   # the same ids and tokens from its own copy
+        assert {epoch_of(x) for x in again[r]} == {ranges}
+
+
+# --------------------------------------------------------------------------- the build lock, no broker
+
+def test_build_once_waits_for_a_beating_builder_and_reads_its_progress(tmp_path):
+    out = tmp_path / "snap"
+    lock_path(out).write_text(json.dumps({"host": "h", "pid": 1, "phase": "reading", "records_done": 5,
+                                          "records": 10}))
+    seen = []
+
+    def other_builder():   # beats twice, then finishes
+        for _ in range(2):
+            time.sleep(0.6)
+            os.utime(lock_path(out))
+        out.mkdir()
+        (out / "done").touch()
+        lock_path(out).unlink()
+
+    t = threading.Thread(target=other_builder)
+    t.start()
+    built = build_once(out, (out / "done").exists, lambda: pytest.fail("built twice"), waiting=seen.append)
+    t.join()
+    assert built is False
+    assert seen and seen[0]["records_done"] == 5 and seen[0]["phase"] == "reading"
+
+
+def test_build_once_takes_over_from_a_builder_that_stopped_beating(tmp_path):
+    out = tmp_path / "snap"
+    lock_path(out).write_text("{}")
+    old = time.time() - 60
+    os.utime(lock_path(out), (old, old))
+
+    def build():
+        out.mkdir()
+        (out / "done").touch()
+
+    assert build_once(out, (out / "done").exists, build, waiting=lambda p: None, stale_s=30) is True
+    assert (out / "done").exists() and not lock_path(out).exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["snap"]   # nothing left aside
+
+
+def test_build_once_releases_the_lock_when_the_build_fails(tmp_path):
+    out = tmp_path / "snap"
+
+    def failing():
+        assert lock_path(out).exists()   # held while building
+        raise RuntimeError("broker gone")
+
+    with pytest.raises(RuntimeError, match="broker gone"):
+        build_once(out, (out / "done").exists, failing, waiting=lambda p: None)
+    assert not lock_path(out).exists()
+    # the next one to try builds it
+    assert build_once(out, (out / "done").exists, lambda: (out.mkdir(), (out / "done").touch()),
+                      waiting=lambda p: None) is True

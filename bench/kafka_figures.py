@@ -22,9 +22,33 @@ def kafka_figures(cfg: BenchConfig, data: dict) -> dict:
     # the first read may warm the broker's page cache
     bare = max(_bare_consume(cfg, data, topic, docs), _bare_consume(cfg, data, topic, docs))
     source = _source_tokens_s(cfg, data, topic, target=produced + docs - 2 * cfg.seq_len * cfg.micro_batch)
+    snapshot = _snapshot_tokens_s(cfg, data, topic)
     return {"kafka_topic": topic, "kafka_records": docs, "kafka_bare_consume_tokens_s": bare,
             "kafka_source_tokens_s": source, "kafka_ratio": source / bare,
+            "kafka_snapshot_tokens_s": snapshot, "kafka_snapshot_gb_s": snapshot * 2 / 1e9,
+            "kafka_snapshot_ratio": snapshot / bare,
             "kafka_follow": follow_cpu_per_token(cfg, data)}
+
+
+def _snapshot_tokens_s(cfg: BenchConfig, data: dict, topic: str) -> float:
+    """Tokens/s of a bounded epoch's snapshot build (the whole topic, its partitions in parallel,
+    into Arrow shards in a temporary directory), as a feeder builds it once per region."""
+    import shutil
+    import tempfile
+
+    from feeder.sources.kafka import KafkaSource, KafkaURL
+
+    spool = tempfile.mkdtemp(prefix="bench-snapshot-")
+    src = KafkaSource(KafkaURL.parse(f"kafka://{cfg.kafka}/{topic}?vocab_size={data['vocab_size']}&eos_id=0"
+                                     f"&spool={spool}"))
+    try:
+        ranges = src.fingerprint   # bounded: the offset ranges of the whole topic now
+        t0 = time.monotonic()
+        snap = src.snapshot(ranges, "fail")
+        return snap.n_tokens / (time.monotonic() - t0)
+    finally:
+        src.close()
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 FOLLOW_RANKS = (1, 8, 64)

@@ -33,6 +33,8 @@ def ratios(r: dict) -> dict:
     }
     if "kafka_ratio" in r:
         out["kafka_source_vs_bare_consume"] = (r["kafka_ratio"], 0.5)
+    if "kafka_snapshot_ratio" in r:   # issue 26: a region builds an epoch once, at >= half a bare loop's rate
+        out["kafka_snapshot_vs_bare_consume"] = (r["kafka_snapshot_ratio"], 0.5)
     for world, f in r.get("kafka_follow", {}).get("ranks", {}).items():   # issue 26: one read of the topic per feeder
         if world != "1":
             out[f"kafka_follow_cpu_{world}_vs_1_rank"] = (f["vs_one_rank"], 1.5)
@@ -40,7 +42,7 @@ def ratios(r: dict) -> dict:
         out[f"format_{name}_vs_shards"] = (f["ratio_to_shards"], 0.85)
     at_least = {f"format_{name}_vs_shards" for name in r.get("formats", {})} | {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
                 "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "scaling_2_vs_1_discard",
-                "kafka_source_vs_bare_consume"}
+                "kafka_source_vs_bare_consume", "kafka_snapshot_vs_bare_consume"}
     return {k: {"value": v, "target": t, "met": (v >= t) if k in at_least else (v <= t)}
             for k, (v, t) in out.items() if v is not None}
 
@@ -103,6 +105,10 @@ def _kafka_rows(r: dict) -> list[tuple[str, str]]:
         return [("kafka", r.get("kafka_error", "not measured"))]
     rows = [("kafka source / bare consume", f"{r['kafka_source_tokens_s'] / 1e6:,.1f} / "
                                             f"{r['kafka_bare_consume_tokens_s'] / 1e6:,.1f} M tok/s")]
+    if "kafka_snapshot_tokens_s" in r:
+        rows.append(("kafka bounded snapshot build", f"{r['kafka_snapshot_tokens_s'] / 1e6:,.1f} M tok/s = "
+                                                     f"{r['kafka_snapshot_gb_s']:.3f} GB/s = "
+                                                     f"{r['kafka_snapshot_ratio']:.2f} x bare consume"))
     for world, f in r.get("kafka_follow", {}).get("ranks", {}).items():
         rows.append((f"  follow, {world} ranks", f"{f['tokens_s'] / 1e6:,.2f} M tok/s, feeder "
                                                  f"{f['feeder_cpu_s_per_mtok']:.3f} CPU-s per M tokens = "

@@ -78,6 +78,8 @@ class FeederClient:
         # and its retry must be a first stream, or a replacement would be fenced as a reconnect.
         self._opened = False
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
+        self.waiting = ""                 # what the feeder said it prepares before the stream starts, if it does
+        self.waited = 0                   # such notes received
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
         self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank)
@@ -316,6 +318,13 @@ class FeederClient:
             if reply.region != self.region:
                 log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                 self.region = reply.region
+            if reply.waiting and not reply.batches:   # the feeder prepares the stream: wait for it
+                if reply.waiting != self.waiting:
+                    log.info("rank %d: feeder %s: %s", self.cfg.spec.rank, target, reply.waiting)
+                self.waiting = reply.waiting
+                self.waited += 1
+                continue
+            self.waiting = ""
             if not self._hand_reply(reply):
                 return None
             if not got_any:

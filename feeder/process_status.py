@@ -45,3 +45,4 @@ class ProcessStatus:
     threads: int
     processes: int
     jobs: tuple[JobStatus, ...]
+    preparing: tuple[str, ...] = ()   # what streams that cannot start yet wait for (feeder.preparing)

@@ -68,6 +68,7 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         out.rss_mb += r.rss_mb
         out.tasks += r.tasks
         out.threads += r.threads
+        out.preparing.extend(p for p in r.preparing if p not in out.preparing)
         for j in r.jobs:
             jobs.setdefault(j.job, j)
             for rank in j.ranks:

@@ -50,6 +50,8 @@ def render(reply, target: str):
                       str(r.restarts), str(r.failovers), str(r.bad_records), r.last_error[:60])
     if not reply.jobs:
         t.caption = "no jobs yet"
+    if reply.preparing:   # streams wait for these before their first batch
+        t.caption = "\n".join(["preparing: " + p for p in reply.preparing] + ([t.caption] if t.caption else []))
     return t
 
 

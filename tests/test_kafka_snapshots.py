@@ -69,6 +69,67 @@ def test_bounded_epoch_is_built_once_per_cache_dir_and_identically_on_another(ka
         assert {epoch_of(x) for x in again[r]} == {ranges}
 
 
+@pytest.mark.kafka
+def test_rank_waits_for_a_snapshot_another_feeder_builds_past_its_idle_timeout(kafka_broker, tmp_path, caplog):
+    """Another feeder of the region (a lock file beating in the shared cache directory) builds
+    the epoch for 7 s and then gives up; the rank, whose idle timeout is 5 s, is told what its
+    feeder waits for every 2 s, so it waits instead of failing over, and then gets exactly the
+    epoch, which its own feeder built once the other let go."""
+    caplog.set_level(logging.INFO)
+    topic = f"snap-wait-{os.getpid()}-{time.time_ns() % 10**6}"
+    trickle = Trickle(kafka_broker, topic, partitions=3, n0=300)
+    trickle.stop()
+    cache = tmp_path / "cache"
+    seen: dict = {}
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256",
+                                  listen="127.0.0.1:0", cache_dir=str(cache), metrics_listen="127.0.0.1:0")) as srv:
+        src = srv.server.engine.sources[topic]
+        ranges = src.fingerprint
+        lock = lock_path(src._snapshots.dir_for(ranges, "fail"))
+        lock.parent.mkdir(parents=True)
+        lock.write_text(json.dumps({"host": "feeder-b", "pid": 7, "phase": "reading", "records_done": 100,
+                                    "records": 300, "ranges": ranges}))
+        stop = threading.Event()
+
+        def other_feeder():
+            from feeder.status import fetch
+            from tests.test_ops import scrape, value
+
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 7 and not stop.is_set():
+                time.sleep(0.5)
+                os.utime(lock)
+                if "status" not in seen and time.monotonic() - t0 > 3:   # the rank waits by now
+                    seen["status"] = list(fetch(srv.address).preparing)
+                    seen["metric"] = value(scrape(srv.server.metrics_address), "feeder_preparing_done_ratio",
+                                           key=ranges)
+            lock.unlink()
+
+        t = threading.Thread(target=other_feeder)
+        t.start()
+        try:
+            ds = FeederDataset([srv.address], job="waits", rank=0, world_size=1, seq_len=EPOCH_SEQ,
+                               micro_batch=EPOCH_MB, seed=EPOCH_SEED, idle_timeout_s=5, retry_for_s=60,
+                               expected_fingerprint=ranges)
+            t0 = time.monotonic()
+            got = list(ds)
+            waited_s = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join()
+    assert waited_s > 6 and ds.client.failovers == 0 and ds.client.waited >= 2, (waited_s, ds.client.failovers)
+    told = [r.getMessage() for r in caplog.records if r.name == "feeder_client" and "waiting for the snapshot" in
+            r.getMessage()]
+    assert told and f"Kafka epoch {ranges}: reading, 33% of 300 records (built by feeder-b pid 7)" in told[0], told
+    # `feeder status` and the metrics said the same while the rank waited
+    assert len(seen["status"]) == 1 and "33% of 300 records (built by feeder-b" in seen["status"][0], seen
+    assert abs(seen["metric"] - 1 / 3) < 1e-6, seen
+    stream = epoch_stream(kafka_broker, ranges)
+    check_batches(got, stream, EPOCH_SEQ, reference_ids(n_samples(len(stream), EPOCH_SEQ), 1, 0, shuffle=True,
+                                                        seed=EPOCH_SEED, drop_last=False, epoch=0))
+    assert len(builds(caplog)) == 1
+
+
 # --------------------------------------------------------------------------- the build lock, no broker
 
 def test_build_once_waits_for_a_beating_builder_and_reads_its_progress(tmp_path):

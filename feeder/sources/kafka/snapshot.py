@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from feeder import manifest as mf
+from feeder import preparing
 from feeder.errors import FailedPrecondition, WrongReplica
 from feeder.prep import ShardWriter
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable
@@ -48,8 +49,8 @@ class Snapshots:
         """The epoch `ranges` as a PosixSource (with `bad_records`: how many were skipped)."""
         from feeder.sources.posix import PosixSource
 
-        key = hashlib.sha256(f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
-                             f"{self.url.max_record_bytes}".encode()).hexdigest()[:20]
+        out = self.dir_for(ranges, policy)
+        key = out.name
         with self._lock:
             snap = self._snapshots.get(key)
             lock = self._building.setdefault(key, threading.Lock())
@@ -59,16 +60,22 @@ class Snapshots:
             snap = self._snapshots.get(key)
             if snap is not None:
                 return snap
-            out = self.spool / f"{self.url.topic}-{key}"
             try:
                 self._build_or_wait(out, ranges, policy)
             finally:
                 self.progress.pop(ranges, None)
+                preparing.finished(ranges)
             snap = PosixSource(out, name=self.url.topic)
             snap.bad_records = json.loads((out / "kafka.json").read_text())["bad_records"]
             self._snapshots[key] = snap
             return snap
 
+
+    def dir_for(self, ranges: str, policy: str) -> Path:
+        """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
+        key = hashlib.sha256(f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
+                             f"{self.url.max_record_bytes}".encode()).hexdigest()[:20]
+        return self.spool / f"{self.url.topic}-{key}"
 
     def _build_or_wait(self, out: Path, ranges: str, policy: str) -> None:
         """Build `out` here, or wait for the process already building it (once.py)."""
@@ -91,13 +98,15 @@ class Snapshots:
         progress = dict(progress or {"ranges": ranges, "phase": "starting"})
         progress["doing"] = doing
         self.progress[ranges] = progress
+        total = progress.get("records") or 0
+        done = progress.get("records_done", 0) / total if total else None
+        by = "" if doing == "building" else f" (built by {progress.get('host', '?')} pid {progress.get('pid', '?')})"
+        what = (f"{doing} the snapshot of Kafka epoch {ranges}: {progress.get('phase')}, "
+                f"{'?' if done is None else f'{100 * done:.0f}%'} of {total or '?'} records{by}")
+        preparing.note(ranges, what, done)
         if time.monotonic() - said[0] >= PROGRESS_EVERY_S:
             said[0] = time.monotonic()
-            total = progress.get("records") or 0
-            share = f"{100 * progress.get('records_done', 0) / total:.0f}%" if total else "?"
-            by = "" if doing == "building" else f" (built by {progress.get('host', '?')} pid {progress.get('pid', '?')})"
-            log.info("kafka epoch %s: %s its snapshot: %s, %s of %s records%s", ranges, doing,
-                     progress.get("phase"), share, total or "?", by)
+            log.info("kafka: %s", what)
         return progress
 
 

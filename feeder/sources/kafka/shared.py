@@ -94,7 +94,10 @@ class FollowWindow:
         with self._cond:
             if self._closed:
                 return False
-            g = self._index.get(_key(st))
+            key = _key(st)
+            g = self._index.get(key)
+            if g is None and self._tail is not None and key == _key(self._tail):
+                g = self._base + len(self._entries)   # where the next record fetched goes (ranks opening together)
             if g is None:
                 if self._attached:
                     return False     # others read here: sub reads on its own until it catches up

@@ -10,10 +10,11 @@ token ids little-endian), or JSON {"tokens": [...]} as existing producers write 
 tokens never include EOS; the source adds one after each record, as `feeder prep` does.
 
 bounded (default): an epoch is the set of records present when the job starts, frozen as
-    offset ranges per partition (ranges.py). The feeder reads those ranges once into a local
-    snapshot (snapshot.py: Arrow shards in a spool directory, ordered by (partition, offset))
-    and serves it exactly as a file dataset: same packing, same DistributedSampler, same
-    cursors. The ranges travel in every cursor, so any feeder rebuilds the same snapshot on
+    offset ranges per partition (ranges.py). The feeder reads those ranges once into a
+    snapshot (snapshot.py: Arrow shards in a spool directory, ordered by (partition, offset);
+    its partitions read in parallel by partread.py; built once for every feeder and process
+    sharing the directory, `serve --cache-dir`, by once.py) and serves it exactly as a file
+    dataset: same packing, same DistributedSampler, same cursors. The ranges travel in every cursor, so any feeder rebuilds the same snapshot on
     resume. Which ranges a job's stream *without* a cursor gets is agreed in Kafka itself, in
     the epoch register `__feeder_epochs` (register.py, whose doc gives the rules), so that the
     ranks of one job read one epoch whichever feeder, process or region each lands on.

@@ -130,6 +130,40 @@ def test_rank_waits_for_a_snapshot_another_feeder_builds_past_its_idle_timeout(k
     assert len(builds(caplog)) == 1
 
 
+@pytest.mark.kafka
+def test_stream_of_a_rank_that_left_while_it_waited_is_closed_once_it_opens(kafka_broker, tmp_path):
+    topic = f"snap-left-{os.getpid()}-{time.time_ns() % 10**6}"
+    trickle = Trickle(kafka_broker, topic, partitions=3, n0=60)
+    trickle.stop()
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256",
+                                  listen="127.0.0.1:0", cache_dir=str(tmp_path / "cache"))) as srv:
+        src = srv.server.engine.sources[topic]
+        ranges = src.fingerprint
+        lock = lock_path(src._snapshots.dir_for(ranges, "fail"))
+        lock.parent.mkdir(parents=True)
+        lock.write_text("{}")   # another feeder builds it (and beats, below)
+        ds = FeederDataset([srv.address], job="left", rank=0, world_size=1, seq_len=EPOCH_SEQ, micro_batch=EPOCH_MB,
+                           expected_fingerprint=ranges, retry_for_s=5)
+        reader = threading.Thread(target=lambda: next(iter(ds), None), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 20
+        while getattr(ds, "client", None) is None or ds.client.waited < 1:   # told it waits at least once
+            assert time.monotonic() < deadline, "the rank was never told what its stream waits for"
+            os.utime(lock)
+            time.sleep(0.3)
+        engine = srv.server.engine
+        assert engine.jobs.streams_open == 0   # still opening
+        ds.client.close()                      # the rank goes away while it waits
+        lock.unlink()                          # the other builder gives up: this feeder builds, the stream opens
+        deadline = time.monotonic() + 20
+        while not (src._snapshots.dir_for(ranges, "fail") / "manifest.json").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert engine.jobs.streams_open == 0, "the stream of a rank that left was kept open"
+        reader.join(10)
+
+
 # --------------------------------------------------------------------------- the build lock, no broker
 
 def test_build_once_waits_for_a_beating_builder_and_reads_its_progress(tmp_path):

@@ -104,7 +104,7 @@ def _produce_cut(cfg: BenchConfig, data: dict, topic: str) -> np.ndarray:
     from feeder.sources.kafka import encode_record
 
     packed = np.memmap(data["packed"], dtype=np.uint16, mode="r")
-    limit = 4_000_000 if cfg.quick else 24_000_000   # the stream again from its start if it is shorter
+    limit = 1_000_000 if cfg.quick else 24_000_000   # the stream again from its start if it is shorter
     lengths = np.random.default_rng(26).integers(200, 1201, size=limit // 200)
     lengths = lengths[:np.searchsorted(np.cumsum(lengths), limit)]
     p = Producer({"bootstrap.servers": cfg.kafka, "enable.idempotence": True, "compression.type": "zstd",

@@ -142,18 +142,20 @@ def test_stream_of_a_rank_that_left_while_it_waited_is_closed_once_it_opens(kafk
         lock = lock_path(src._snapshots.dir_for(ranges, "fail"))
         lock.parent.mkdir(parents=True)
         lock.write_text("{}")   # another feeder builds it (and beats, below)
-        ds = FeederDataset([srv.address], job="left", rank=0, world_size=1, seq_len=EPOCH_SEQ, micro_batch=EPOCH_MB,
-                           expected_fingerprint=ranges, retry_for_s=5)
-        reader = threading.Thread(target=lambda: next(iter(ds), None), daemon=True)
-        reader.start()
+        from feeder_client import ClientConfig, FeederClient
+        from feeder.config import StreamSpec
+
+        spec = StreamSpec(job="left", rank=0, world_size=1, seq_len=EPOCH_SEQ, micro_batch=EPOCH_MB,
+                          expected_fingerprint=ranges)
+        client = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, retry_for_s=5))   # streams at once
         deadline = time.monotonic() + 20
-        while getattr(ds, "client", None) is None or ds.client.waited < 1:   # told it waits at least once
+        while client.waited < 1:               # told what its stream waits for at least once
             assert time.monotonic() < deadline, "the rank was never told what its stream waits for"
             os.utime(lock)
             time.sleep(0.3)
         engine = srv.server.engine
         assert engine.jobs.streams_open == 0   # still opening
-        ds.client.close()                      # the rank goes away while it waits
+        client.close()                         # the rank goes away while it waits
         lock.unlink()                          # the other builder gives up: this feeder builds, the stream opens
         deadline = time.monotonic() + 20
         while not (src._snapshots.dir_for(ranges, "fail") / "manifest.json").exists():
@@ -161,7 +163,6 @@ def test_stream_of_a_rank_that_left_while_it_waited_is_closed_once_it_opens(kafk
             time.sleep(0.2)
         time.sleep(1.0)
         assert engine.jobs.streams_open == 0, "the stream of a rank that left was kept open"
-        reader.join(10)
 
 
 # --------------------------------------------------------------------------- the build lock, no broker

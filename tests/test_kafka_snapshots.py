@@ -217,3 +217,17 @@ def test_build_once_releases_the_lock_when_the_build_fails(tmp_path):
     # the next one to try builds it
     assert build_once(out, (out / "done").exists, lambda: (out.mkdir(), (out / "done").touch()),
                       waiting=lambda p: None) is True
+
+
+def test_cache_dir_comes_from_the_flag_or_a_region_file_relative_to_it(tmp_path):
+    """`feeder serve --cache-dir DIR`, or `cache_dir = "..."` in a region file (relative to the
+    file, as its other paths are); the flag wins."""
+    from feeder.cli import build_parser
+    from feeder.cli_serve import serve_config
+
+    region = tmp_path / "r.toml"
+    region.write_text('region = "r"\nsource = "d"\ncache_dir = "shared/cache"\n')
+    args = build_parser().parse_args(["serve", "--config", str(region)])
+    assert serve_config(args).cache_dir == str(tmp_path / "shared" / "cache")
+    args = build_parser().parse_args(["serve", "--config", str(region), "--cache-dir", "/lustre/us-east/cache"])
+    assert serve_config(args).cache_dir == "/lustre/us-east/cache"

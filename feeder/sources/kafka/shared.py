@@ -172,33 +172,38 @@ class FollowWindow:
     def _run(self) -> None:
         from confluent_kafka import Consumer
 
-        c = Consumer(consumer_config(self.url.bootstrap, error_cb=self._on_error,
-                                     **{"queued.max.messages.kbytes": max(1024, min(64 << 10, self.budget >> 11))}))
-        seed = -1
+        seed, c = -1, None
         queues: list[deque] = [deque() for _ in self.parts]
         try:
+            c = Consumer(consumer_config(self.url.bootstrap, error_cb=self._on_error,
+                                         **{"queued.max.messages.kbytes": max(1024, min(64 << 10, self.budget >> 11))}))
             while True:
                 with self._cond:
                     while not self._closed and (not self._attached or self._ahead() >= self.budget // 2):
                         self._need.wait(1.0)
                     if self._closed:
                         return
-                    if seed != self._seed:
-                        seed, start = self._seed, self._tail.copy()
-                    else:
-                        start = None
-                if start is not None:
-                    self._assign(c, start, queues)
+                    start = self._tail.copy() if seed != self._seed else None
+                    seed = self._seed
                 try:
+                    if start is not None:
+                        self._assign(c, start, queues)
                     self._fetch(c, seed, queues)
                 except FeederError as e:
                     self._fail(e, seed)
-                except Exception as e:   # a bug: end the streams with an error rather than hang them
+                except Exception as e:   # a bug, or the client library: end the streams with an error, not hang them
                     log.exception("kafka %s: the shared follow reader failed", self.url.topic)
                     self._fail(Unavailable(f"Kafka {self.url.topic}: the feeder's shared reader failed: {e}; "
                                            "resume from the cursor"), seed)
+        except Exception as e:   # no consumer: the streams end, and the next to join starts a new fetcher
+            log.exception("kafka %s: the shared follow reader could not start", self.url.topic)
+            self._fail(Unavailable(f"Kafka {self.url.topic}: the feeder's shared reader could not start: {e}; "
+                                   "resume from the cursor"), seed, force=True)
         finally:
-            close_soon(c)
+            with self._cond:
+                self._thread = None
+            if c is not None:
+                close_soon(c)
 
     def _assign(self, c, start: FollowState, queues: list[deque]) -> None:
         from confluent_kafka import TopicPartition
@@ -282,10 +287,10 @@ class FollowWindow:
                 self._data.notify_all()
         self._update_high(c)
 
-    def _fail(self, e: FeederError, seed: int) -> None:
+    def _fail(self, e: FeederError, seed: int, *, force: bool = False) -> None:
         """Every attached stream ends with `e` (its cursor resumes it); the window starts over."""
         with self._cond:
-            if seed != self._seed:
+            if seed != self._seed and not force:
                 return
             log.warning("kafka %s: shared follow reader: %s", self.url.topic, e)
             for s in self._attached:

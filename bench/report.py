@@ -33,11 +33,16 @@ def ratios(r: dict) -> dict:
     }
     if "kafka_ratio" in r:
         out["kafka_source_vs_bare_consume"] = (r["kafka_ratio"], 0.5)
+    if "kafka_snapshot_ratio" in r:   # issue 26: a region builds an epoch once, at >= half a bare loop's rate
+        out["kafka_snapshot_vs_bare_consume"] = (r["kafka_snapshot_ratio"], 0.5)
+    for world, f in r.get("kafka_follow", {}).get("ranks", {}).items():   # issue 26: one read of the topic per feeder
+        if world != "1":
+            out[f"kafka_follow_cpu_{world}_vs_1_rank"] = (f["vs_one_rank"], 1.5)
     for name, f in r.get("formats", {}).items():   # issue 19: within 15 % of our shards, same run
         out[f"format_{name}_vs_shards"] = (f["ratio_to_shards"], 0.85)
     at_least = {f"format_{name}_vs_shards" for name in r.get("formats", {})} | {"feeder_vs_grpc_tokens", "feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket", "feeder_mb_vs_socket_h2",
                 "max_streams", "scaling_2_vs_1", "scaling_2_vs_1_h2", "scaling_2_vs_1_discard",
-                "kafka_source_vs_bare_consume"}
+                "kafka_source_vs_bare_consume", "kafka_snapshot_vs_bare_consume"}
     return {k: {"value": v, "target": t, "met": (v >= t) if k in at_least else (v <= t)}
             for k, (v, t) in out.items() if v is not None}
 
@@ -51,6 +56,8 @@ def table(r: dict) -> str:
         return "\n".join(f"{k:<30} {v}" for k, v in _format_rows(r))
     if r["config"].get("only") == "mixture":
         return "\n".join(f"{k:<30} {v}" for k, v in _mixture_rows(r))
+    if r["config"].get("only") == "kafka":
+        return "\n".join(f"{k:<30} {v}" for k, v in _kafka_rows(r))
 
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
@@ -82,9 +89,7 @@ def table(r: dict) -> str:
         ("  with decoding clients", f"{r['scaling_decoding_clients']['1'] / 1e6:,.1f} -> "
                                     f"{r['scaling_decoding_clients']['2'] / 1e6:,.1f} M tok/s"),
     ]
-    if "kafka_ratio" in r:
-        rows.append(("kafka source / bare consume", f"{r['kafka_source_tokens_s'] / 1e6:,.1f} / "
-                                                    f"{r['kafka_bare_consume_tokens_s'] / 1e6:,.1f} M tok/s"))
+    rows += _kafka_rows(r)
     rows += _format_rows(r)
     lines = [f"{k:<30} {v}" for k, v in rows]
     lines.append("")
@@ -92,6 +97,23 @@ def table(r: dict) -> str:
     for k, v in r["ratios"].items():
         lines.append(f"{k:<30} {v['value']:>10.3f} {v['target']:>8}  {'yes' if v['met'] else 'NO'}")
     return "\n".join(lines)
+
+
+def _kafka_rows(r: dict) -> list[tuple[str, str]]:
+    """The Kafka source against a bare consume() loop, and follow mode's feeder CPU per token."""
+    if "kafka_ratio" not in r:
+        return [("kafka", r.get("kafka_error", "not measured"))]
+    rows = [("kafka source / bare consume", f"{r['kafka_source_tokens_s'] / 1e6:,.1f} / "
+                                            f"{r['kafka_bare_consume_tokens_s'] / 1e6:,.1f} M tok/s")]
+    if "kafka_snapshot_tokens_s" in r:
+        rows.append(("kafka bounded snapshot build", f"{r['kafka_snapshot_tokens_s'] / 1e6:,.1f} M tok/s = "
+                                                     f"{r['kafka_snapshot_gb_s']:.3f} GB/s = "
+                                                     f"{r['kafka_snapshot_ratio']:.2f} x bare consume"))
+    for world, f in r.get("kafka_follow", {}).get("ranks", {}).items():
+        rows.append((f"  follow, {world} ranks", f"{f['tokens_s'] / 1e6:,.2f} M tok/s, feeder "
+                                                 f"{f['feeder_cpu_s_per_mtok']:.3f} CPU-s per M tokens = "
+                                                 f"{f['vs_one_rank']:.2f} x one rank's"))
+    return rows
 
 
 def _format_rows(r: dict) -> list[tuple[str, str]]:

@@ -39,6 +39,8 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
                 from .scale import scale_figures
 
                 res.update(scale_figures(cfg))
+            elif cfg.only == "kafka":
+                _kafka(cfg, data, res)
             else:
                 _mixture(cfg, data, clients, feeders, res)
         finally:
@@ -62,14 +64,18 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
         for f in feeders:
             f.stop()
         clients.close()
+    _kafka(cfg, data, res)
+    res["ratios"] = ratios(res)
+    return _finish(res, t_start, json_path, plot_path)
+
+
+def _kafka(cfg: BenchConfig, data: dict, res: dict) -> None:
     if cfg.kafka:
         say(f"Kafka source vs bare consume() at {cfg.kafka}")
         try:
             res.update(kafka_figures(cfg, data))
         except Exception as e:  # no broker: the rest of the figures still stand
             res["kafka_error"] = f"{e.__class__.__name__}: {e}"
-    res["ratios"] = ratios(res)
-    return _finish(res, t_start, json_path, plot_path)
 
 
 def _finish(res: dict, t_start: float, json_path: str, plot_path: str) -> dict:

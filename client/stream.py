@@ -108,6 +108,8 @@ class FeederClient:
         self._opened = False
         self._waiting_logged = -WAITING_LOG_S
         self.region = ""                  # the region feeding this rank now (from the feeder's replies)
+        self.waiting = ""                 # what the feeder said it prepares before the stream starts, if it does
+        self.waited = 0                   # such notes received
         self.targets = list(cfg.targets)  # nearest first once measured
         self.rtt_s: dict[str, float] = {}
         self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank,
@@ -369,12 +371,13 @@ class FeederClient:
                 self._waiting_since = None
             self._opened = True
             self._answered.add(target)
-            if reply.waiting:   # the feeder builds what the stream needs (an epoch's order): it is alive
-                self._told_waiting(target, reply.waiting)
-                continue
             if reply.region != self.region:
                 log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                 self.region = reply.region
+            if reply.waiting and not reply.batches:   # the feeder prepares or builds what the stream needs
+                self._told_waiting(target, reply.waiting)
+                continue
+            self.waiting = ""
             if not self._hand_reply(reply):
                 return None
             if not got_any:
@@ -382,11 +385,14 @@ class FeederClient:
                 self.policy.batch_received()
 
     def _told_waiting(self, target: str, why: str) -> None:
-        """Say, at most every WAITING_LOG_S, why the feeder has sent nothing yet."""
+        """The feeder is alive and says why nothing comes yet: the rank waits for it, and its log
+        says so when the reason changes (not its progress) or every WAITING_LOG_S."""
         now = time.monotonic()
-        if now - self._waiting_logged >= WAITING_LOG_S:
+        if why.partition(":")[0] != self.waiting.partition(":")[0] or now - self._waiting_logged >= WAITING_LOG_S:
             self._waiting_logged = now
-            log.info("rank %d: feeder %s is %s; waiting for it", self.cfg.spec.rank, target, why)
+            log.info("rank %d: feeder %s: %s", self.cfg.spec.rank, target, why)
+        self.waiting = why
+        self.waited += 1
 
     def _hand_reply(self, reply: pb.StreamReply) -> bool:
         """Decode a reply's batches in runs of up to half the read-ahead, each handed over at once.

@@ -139,8 +139,10 @@ def add_serve(sub) -> None:
                    "background; a chunk found changed is DATA_LOSS from then on (default 16; 0: off)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
-    s.add_argument("--cache-dir", help="where what is built once is kept and shared: epoch orders of torch's "
-                   "permutation (default ~/.cache/feeder; on the region's shared filesystem, built once per region)")
+    s.add_argument("--cache-dir", help="where what is built once is kept and shared by every feeder and process "
+                   "that reads it: epoch orders of torch's permutation (DIR/orders; default ~/.cache/feeder) and "
+                   "Kafka bounded epochs' snapshots (DIR/kafka; a Kafka URL's ?spool= wins for its topic). On the "
+                   "region's shared filesystem each is built once per region")
     s.add_argument("--cache-max-gb", type=float, help="the cache directory's budget for orders, least recently "
                    "used removed first (default 64)")
     s.add_argument("--metrics-port", type=int, default=None,

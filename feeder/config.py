@@ -274,8 +274,10 @@ class ServeConfig:
     # siblings of `--processes` do. Off by default: a feeder started twice on one port, say
     # with other data, must fail to bind rather than get half the connections.
     reuse_port: bool = False
-    # What is built once and shared (epoch orders of torch's kind): "" is the user's cache
-    # ($XDG_CACHE_HOME/feeder, else ~/.cache/feeder); a region's shared filesystem builds once per region.
+    # What is built once and shared by every process and feeder that can read it: epoch orders
+    # of torch's kind (under orders/) and Kafka epoch snapshots (under kafka/). On the region's
+    # shared filesystem, each is built once per region. "": orders in the user's cache
+    # ($XDG_CACHE_HOME/feeder, else ~/.cache/feeder), snapshots where the Kafka URL's spool says.
     cache_dir: str = ""
     cache_max_gb: float = 64.0
     # The background scrub (feeder.scrub): MB/s of verified, memory-mapped chunks re-hashed, so

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from feeder import __version__
+from feeder import __version__, preparing
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor, Mixture
 from feeder.errors import InvalidArgument, NotFound, Unavailable
@@ -67,6 +67,7 @@ class Engine:
         jobs = [self.jobs.get(job)] if job else list(self.jobs.jobs.values())
         region = self.cfg.region
         return ProcessStatus(
+            preparing=tuple(v["what"] for v in preparing.current().values()),
             region=region, uptime_s=time.monotonic() - self.started, streams_open=self.jobs.streams_open,
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
             building=tuple(b.describe() for b in self.orders.builds()),

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from feeder import preparing
 from feeder.errors import Unavailable
 from feeder.pipeline.stream import READ_BUCKETS
 
@@ -48,6 +49,9 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_bad_records_total": ("counter", "Kafka records skipped under bad_records=skip", RANK),
     "feeder_kafka_lag_records": ("gauge", "Records between the rank's reader and the partition's end (follow)",
                                  ("job", "rank", "partition")),
+    "feeder_preparing_done_ratio": ("gauge", "Share done of what streams wait for before their first batch "
+                                             "(a Kafka epoch's snapshot being built: key is its offset ranges)",
+                                    ("key",)),
     "feeder_streams_open": ("gauge", "Streams open in this process", ()),
     "feeder_jobs": ("gauge", "Jobs known to this process", ()),
     "feeder_resident_memory_bytes": ("gauge", "Resident set size of this process", ()),
@@ -129,6 +133,9 @@ class EngineCollector:
             for part, lag in sorted(st.kafka_lag.items()):
                 fam["feeder_kafka_lag_records"].add_metric([*lab, str(part)], lag)
         e = self.engine
+        for key, note in sorted(preparing.current().items()):
+            if note["done"] is not None:
+                fam["feeder_preparing_done_ratio"].add_metric([key], note["done"])
         fam["feeder_streams_open"].add_metric([], e.jobs.streams_open)
         fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
         fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)

@@ -53,3 +53,4 @@ class ProcessStatus:
     chunks_changed: int = 0      # found changed on disk by the background scrub (DATA_LOSS since)
     scrubbed_bytes: int = 0
     building: tuple[str, ...] = ()   # builds under way (epoch orders), each with how far
+    preparing: tuple[str, ...] = ()   # what streams that cannot start yet wait for (feeder.preparing)

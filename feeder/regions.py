@@ -22,7 +22,7 @@ LAYOUT: dict[str, dict[str, str]] = {
     "": {"region": "region", "listen": "listen", "source": "source", "peers": "peers",
          "insecure": "insecure", "cursor_secret_file": "cursor_secret_file", "grace_s": "grace_s",
          "log_format": "log_format", "ledger": "ledger", "vocab_size": "vocab_size", "eos_id": "eos_id",
-         "processes": "processes", "scrub_mb_s": "scrub_mb_s"},
+         "processes": "processes", "scrub_mb_s": "scrub_mb_s", "cache_dir": "cache_dir"},
     "tls": {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca", "ca": "tls_ca"},
     "auth": {"tokens_file": "tokens_file"},
     "stream": {"prefetch_messages": "prefetch_messages", "prefetch_bytes": "prefetch_bytes",
@@ -30,7 +30,8 @@ LAYOUT: dict[str, dict[str, str]] = {
                "compression_level": "default_level", "threads": "threads", "remote_rtt_ms": "remote_rtt_ms"},
     "metrics": {"listen": "metrics_listen"},
 }
-PATHS = {"source", "cursor_secret_file", "ledger", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tokens_file"}
+PATHS = {"source", "cursor_secret_file", "ledger", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tokens_file",
+         "cache_dir"}
 _VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 
 

@@ -17,7 +17,8 @@ FIELDS = ("raw_socket_mb_s", "raw_grpc_mb_s", "raw_grpc_shared_mb_s", "raw_grpc_
           "feeder_zstd_tokens_s",
           "local_tokens_s", "client_cpu_s_per_mtok", "local_cpu_s_per_mtok", "ttfb_s", "resume_s",
           "wire_bytes_per_token", "feeder_rss_mb", "max_streams", "scaling", "scaling_decoding_clients", "curve", "ratios", "versions",
-          "machine", "config", "message_bytes", "kafka_source_tokens_s", "kafka_bare_consume_tokens_s")
+          "machine", "config", "message_bytes", "kafka_source_tokens_s", "kafka_bare_consume_tokens_s",
+          "kafka_snapshot_tokens_s", "kafka_snapshot_ratio", "kafka_follow")
 
 
 def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
@@ -68,5 +69,11 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
         assert 0.5 * res["machine"]["cpus"] < m["busy"] + m["idle"] + m["steal"] < 1.5 * res["machine"]["cpus"]
     assert {"feeder_vs_grpc_tokens_h2", "feeder_mb_vs_socket_h2", "scaling_2_vs_1_h2",
             "scaling_2_vs_1_discard"} <= set(res["ratios"])
+    # issue 26: follow mode's feeder CPU per served token at 1, 8 and 64 ranks; the snapshot build
+    follow = res["kafka_follow"]["ranks"]
+    assert set(follow) == {"1", "8", "64"} and all(f["tokens"] > 0 and f["feeder_cpu_s_per_mtok"] > 0
+                                                     for f in follow.values())
+    assert {"kafka_follow_cpu_8_vs_1_rank", "kafka_follow_cpu_64_vs_1_rank",
+            "kafka_snapshot_vs_bare_consume"} <= set(res["ratios"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "feeder_vs_grpc_tokens" in r.stdout and "met" in r.stdout

@@ -344,6 +344,9 @@ def test_regression_ranks_on_serve_processes_2_read_one_epoch(kafka_broker, tmp_
         trickle.stop()
         sup.stop()
     grew_after(check_one_epoch(kafka_broker, {0: got0, 1: got1}, 2), trickle)
+    # ... from one snapshot, built by one of the two processes (their spool directory is shared)
+    built = re.findall(r"feeder\.kafka: kafka epoch \S+: \d+ documents, .* read in", open(sup.log.name).read())
+    assert len(built) == 1, built
 
 
 def test_regression_rank_failing_over_before_its_first_batch_reads_the_jobs_epoch(kafka_broker, tmp_path):

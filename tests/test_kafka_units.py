@@ -123,17 +123,18 @@ def test_bad_record_details_say_what_is_wrong():
 def test_url_defaults():
     u = KafkaURL.parse("kafka://h1:9092,h2:9092/topic-a")
     assert u == KafkaURL(bootstrap="h1:9092,h2:9092", topic="topic-a")
-    assert (u.mode, u.bad_records, u.vocab_size, u.eos_id, u.max_record_bytes, u.spool, u.group, u.epoch_ttl_s) == \
-        ("bounded", "fail", 0, -1, 16 << 20, "", "", EPOCH_TTL_S)
+    assert (u.mode, u.bad_records, u.vocab_size, u.eos_id, u.max_record_bytes, u.spool, u.group, u.epoch_ttl_s,
+            u.window_bytes) == ("bounded", "fail", 0, -1, 16 << 20, "", "", EPOCH_TTL_S, 64 << 20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         u.mode = "follow"
 
 
 def test_every_url_option_is_read():
     u = KafkaURL.parse("kafka://h:1/t?mode=follow&bad_records=skip&vocab_size=50257&eos_id=50256"
-                       "&max_record_bytes=1024&spool=/tmp/sp&group=dash&epoch_ttl_s=2.5")
+                       "&max_record_bytes=1024&spool=/tmp/sp&group=dash&epoch_ttl_s=2.5&window_bytes=4096")
     assert u == KafkaURL(bootstrap="h:1", topic="t", mode="follow", bad_records="skip", vocab_size=50257,
-                         eos_id=50256, max_record_bytes=1024, spool="/tmp/sp", group="dash", epoch_ttl_s=2.5)
+                         eos_id=50256, max_record_bytes=1024, spool="/tmp/sp", group="dash", epoch_ttl_s=2.5,
+                         window_bytes=4096)
 
 
 def test_command_line_vocab_applies_unless_the_url_names_one():
@@ -153,7 +154,7 @@ BAD_URLS = {
     "kafka://h:1/a/b": URL_SHAPE + "'kafka://h:1/a/b'",
     "kafka://h:1/t?colour=red&mode=follow": "unknown Kafka URL option(s) ['colour']; known: ['bad_records', 'eos_id', "
                                             "'epoch_ttl_s', 'group', 'max_record_bytes', 'mode', 'spool', "
-                                            "'vocab_size']",
+                                            "'vocab_size', 'window_bytes']",
     "kafka://h:1/t?mode=tail": "Kafka URL option mode must be bounded or follow, got 'tail'",
     "kafka://h:1/t?mode=": "Kafka URL option mode must be bounded or follow, got ''",
     "kafka://h:1/t?bad_records=drop": "Kafka URL option bad_records must be fail or skip, got 'drop'",
@@ -163,6 +164,8 @@ BAD_URLS = {
     "kafka://h:1/t?max_record_bytes=1e6": "Kafka URL option max_record_bytes must be an integer, got '1e6'",
     "kafka://h:1/t?max_record_bytes=0": "max_record_bytes must be positive, got 0",
     "kafka://h:1/t?max_record_bytes=-5": "max_record_bytes must be positive, got -5",
+    "kafka://h:1/t?window_bytes=0": "Kafka URL option window_bytes must be positive, got 0",
+    "kafka://h:1/t?window_bytes=1M": "Kafka URL option window_bytes must be an integer, got '1M'",
     "kafka://h:1/t?epoch_ttl_s=soon": "Kafka URL option epoch_ttl_s must be a number, got 'soon'",
     "kafka://h:1/t?epoch_ttl_s=0": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got 0.0",
     "kafka://h:1/t?epoch_ttl_s=-1": "Kafka URL option epoch_ttl_s must be a positive number of seconds, got -1.0",
@@ -306,3 +309,76 @@ def test_follow_plan_runs_carry_tokens_and_cursors_and_commit_what_the_loop_took
     assert (job, rank, world) == ("j", 0, 1) and offsets == plan.offsets_at(1)
     plan.taken(10**6)   # not remembered: nothing to commit
     assert len(plan._commit.__self__.commits) == 1
+
+
+# --------------------------------------------------------------------------- shared follow window, no broker
+
+class _Msg:
+    def __init__(self, offset: int, value: bytes):
+        self._o, self._v = offset, value
+
+    def offset(self):
+        return self._o
+
+    def value(self):
+        return self._v
+
+
+class _NoConsumer:
+    """What FollowWindow._append asks of its consumer, with nothing behind it."""
+
+    def resume(self, parts):
+        pass
+
+    def get_watermark_offsets(self, tp, cached=True):
+        return 0, -1
+
+
+def test_follow_window_deals_every_wth_record_drops_over_budget_and_a_dropped_stream_reads_alone():
+    """The window's rules without a broker (the fetcher's thread is not started; records go in
+    as the fetcher puts them): each stream takes only its own records (k mod W), with the state
+    before each; the window keeps to its budget by dropping its oldest records even if a slow
+    stream still needs them, which then reads on its own; a stream at the window's tail joins it."""
+    from collections import deque
+
+    from feeder.sources.kafka.shared import FollowWindow, Subscription
+
+    record = encode_record(np.arange(40), vocab_size=257, eos_id=256, tokenizer="byte")   # +64 per entry
+    url = KafkaURL(bootstrap="h:1", topic="t", mode="follow", window_bytes=10 * (len(record) + 64))
+    w = FollowWindow(url, [0, 1], dtype=U16, vocab_size=257, eos_id=256)
+    w._thread = "not started"                        # no fetcher: the test appends
+    fast, slow = (Subscription(w, policy="fail", job="j", rank=r, world_size=2, low_watermarks=lambda: [0, 0])
+                  for r in (0, 1))
+    assert w.join(fast, FollowState(next=[0, 0])) and w.join(slow, FollowState(next=[0, 0]))
+    queues = [deque(), deque()]
+
+    def produce(n):   # n records on each partition, then into the window in interleave order
+        base = produce.next
+        for j in range(n):
+            queues[0].append(_Msg(base + j, record))
+            queues[1].append(_Msg(base + j, record))
+        produce.next += n
+        w._append(w._seed, queues, _NoConsumer())
+    produce.next = 0
+
+    produce(2)                                       # records k = 0..3: p0@0, p1@0, p0@1, p1@1
+    got = w.take(fast, wait_s=0)
+    assert [(g, e.partition, e.offset) for g, e in got] == [(0, 0, 0), (2, 0, 1)]   # rank 0: k = 0, 2
+    assert [e.before.next for _, e in got] == [[0, 0], [1, 1]]
+    assert [(g, e.partition) for g, e in w.take(slow, wait_s=0)] == [(1, 1), (3, 1)]  # rank 1: k = 1, 3
+    assert w.take(fast, wait_s=0) == []              # at the tail: nothing yet
+    # the fast stream goes on; the window holds at most its budget (10 records), so the slow
+    # stream's next record is dropped while it still needs it
+    for _ in range(6):
+        produce(2)
+        assert w.take(fast, wait_s=0)
+        assert w.figures()["bytes"] <= url.window_bytes
+    assert w.take(slow, wait_s=0) is None and w.figures()["dropped"] == 1
+    # the slow stream's state is no longer in the window: it reads on its own (join refuses it)...
+    assert not w.join(slow, FollowState(next=[2, 2], turn=0, k=4))
+    # ...and a stream whose state is the window's tail joins it there
+    tail = w._tail
+    late = Subscription(w, policy="fail", job="j", rank=1, world_size=2, low_watermarks=lambda: [0, 0])
+    assert w.join(late, FollowState(next=list(tail.next), turn=tail.turn, k=tail.k))
+    produce(1)
+    assert [(g % 2, e.partition) for g, e in w.take(late, wait_s=0)] == [(1, 1)]

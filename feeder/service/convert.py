@@ -126,12 +126,18 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         remix=s.remix, permutation=s.permutation)
 
 
+def waiting_reply(region: str, waiting: str) -> bytes:
+    """A Stream reply without batches: the stream is being prepared, or its next batches wait on
+    something being built (`waiting` says what)."""
+    return pb.StreamReply(region=region, waiting=capped(waiting)).SerializeToString()
+
+
 def status_reply(status: ProcessStatus) -> pb.StatusReply:
     """The StatusReply of a ProcessStatus (Engine.status)."""
     reply = pb.StatusReply(region=status.region, uptime_s=status.uptime_s, streams_open=status.streams_open,
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
                            processes=status.processes, chunks_changed=status.chunks_changed,
-                           scrubbed_bytes=status.scrubbed_bytes, building=status.building)
+                           scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:

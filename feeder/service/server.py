@@ -44,7 +44,7 @@ def open_one(cfg: ServeConfig, where: str, name: str = "") -> Source:
     if where.startswith("kafka://"):
         from feeder.sources.kafka import KafkaSource, KafkaURL
 
-        src = KafkaSource(KafkaURL.parse(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id))
+        src = KafkaSource(KafkaURL.parse(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id), cache_dir=cfg.cache_dir)
         if name:
             src.name = name
         return src

@@ -10,7 +10,8 @@ import logging
 import grpc
 
 from feeder.engine import Engine
-from feeder.errors import COMPLETE, END, FeederError
+from feeder import preparing
+from feeder.errors import COMPLETE, END, FeederError, Unavailable
 from feeder.pipeline.stream import unknown_job
 from feeder.service import convert
 from feeder.service.convert import SERVICE, spec_from_request
@@ -79,6 +80,18 @@ def add_to_server(servicer: "FeederServicer", server) -> None:
         server.add_registered_method_handlers(SERVICE, handlers)
 
 
+WAITING_NOTE_S = 2.0   # well inside a client's idle timeout (30 s by default)
+
+
+def _drop_opened(engine: Engine, opening: asyncio.Future) -> None:
+    """A stream that opened after its client left: close it at once (its plan lets go)."""
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    stream = opening.result()
+    stream.end(Unavailable("the client left before its stream opened"))
+    engine.close_stream(stream, "cancelled by client")
+
+
 class FeederServicer(pb_grpc.FeederServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -87,14 +100,24 @@ class FeederServicer(pb_grpc.FeederServicer):
         engine = self.engine
         try:
             spec = spec_from_request(request, engine)
-            stream = await engine.open_stream(spec, request.cursor, peer=context.peer(), failover=request.failover)
+            opening = asyncio.ensure_future(engine.open_stream(spec, request.cursor, peer=context.peer(),
+                                                               failover=request.failover))
+            # Opening may take long (a Kafka epoch's snapshot is built first): say so every few
+            # seconds, so the rank waits instead of taking the silence for a dead feeder.
+            try:
+                while not (await asyncio.wait({opening}, timeout=WAITING_NOTE_S))[0]:
+                    yield convert.waiting_reply(engine.cfg.region, preparing.summary())
+            except BaseException:   # the client left while it waited: the stream is dropped once open
+                opening.add_done_callback(functools.partial(_drop_opened, engine))
+                raise
+            stream = opening.result()
         except FeederError as e:
             await _abort(context, e)
         reason = "cancelled by client"
         try:
             async for msg, reply in stream.messages():
                 if msg is None:   # nothing to send yet: the rank is told why (`reply` says)
-                    yield pb.StreamReply(region=engine.cfg.region, waiting=reply).SerializeToString()
+                    yield convert.waiting_reply(engine.cfg.region, reply)
                     continue
                 # Into the ledger before gRPC has it: a feeder killed right after the send
                 # must not leave a batch the rank received out of the ledger. A batch logged

@@ -1,7 +1,7 @@
 """The Kafka source's URL and its options (pure: no Kafka client here).
 
 kafka://HOST:PORT[,HOST:PORT...]/TOPIC[?mode=bounded|follow&bad_records=fail|skip
-    &vocab_size=N&eos_id=N&max_record_bytes=N&spool=DIR&group=NAME&epoch_ttl_s=SECONDS]
+    &vocab_size=N&eos_id=N&max_record_bytes=N&spool=DIR&group=NAME&epoch_ttl_s=SECONDS&window_bytes=N]
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from feeder.errors import InvalidArgument
 MODES = ("bounded", "follow")
 POLICIES = ("fail", "skip")
 EPOCH_TTL_S = 24 * 3600.0   # the engine's job idle TTL (pipeline.stream.Jobs): a forgotten job's name is free
-OPTIONS = ("mode", "bad_records", "vocab_size", "eos_id", "max_record_bytes", "spool", "group", "epoch_ttl_s")
+WINDOW_BYTES = 64 << 20     # follow mode: the records a feeder process keeps for its ranks to share (shared.py)
+OPTIONS = ("mode", "bad_records", "vocab_size", "eos_id", "max_record_bytes", "spool", "group", "epoch_ttl_s",
+           "window_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,7 @@ class KafkaURL:
     spool: str = ""
     group: str = ""
     epoch_ttl_s: float = EPOCH_TTL_S
+    window_bytes: int = WINDOW_BYTES
 
     @classmethod
     def parse(cls, url: str, *, vocab_size: int = 0, eos_id: int = -1) -> "KafkaURL":
@@ -47,7 +50,8 @@ class KafkaURL:
                   bad_records=q.get("bad_records", "fail"), vocab_size=_integer(q, "vocab_size", vocab_size),
                   eos_id=_integer(q, "eos_id", eos_id), max_record_bytes=_integer(q, "max_record_bytes", 16 << 20),
                   spool=q.get("spool", ""), group=q.get("group", ""),
-                  epoch_ttl_s=_number(q, "epoch_ttl_s", EPOCH_TTL_S))
+                  epoch_ttl_s=_number(q, "epoch_ttl_s", EPOCH_TTL_S),
+                  window_bytes=_integer(q, "window_bytes", WINDOW_BYTES))
         cfg._validate()
         return cfg
 
@@ -58,6 +62,8 @@ class KafkaURL:
             raise InvalidArgument(f"Kafka URL option bad_records must be fail or skip, got {self.bad_records!r}")
         if self.max_record_bytes <= 0:
             raise InvalidArgument(f"max_record_bytes must be positive, got {self.max_record_bytes}")
+        if self.window_bytes <= 0:
+            raise InvalidArgument(f"Kafka URL option window_bytes must be positive, got {self.window_bytes}")
         if not 0 < self.epoch_ttl_s < float("inf"):
             raise InvalidArgument(f"Kafka URL option epoch_ttl_s must be a positive number of seconds, "
                                   f"got {self.epoch_ttl_s}")

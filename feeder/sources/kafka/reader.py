@@ -151,20 +151,12 @@ class FollowReader:
     def _tokens(self, m) -> np.ndarray | None:
         """This rank's record: its ids and an EOS, or None if it is bad and skipped."""
         try:
-            ids = decode_record(m.value(), dtype=self.dtype, vocab_size=self.vocab_size,
-                                max_bytes=self.url.max_record_bytes)
+            return record_tokens(m.value(), self.url, dtype=self.dtype, vocab_size=self.vocab_size,
+                                 eos_id=self.eos_id)
         except BadRecord as b:
-            where = f"{self.url.topic}/{m.partition()}@{m.offset()}"
-            if self.policy == "fail":
-                raise DataLoss(f"bad Kafka record {where}: {b} (policy bad_records=fail; "
-                               "bad_records=skip serves the stream without it)") from None
-            self.bad_records += 1
-            log.warning("bad Kafka record %s skipped (job %s rank %d): %s", where, self.job, self.rank, b)
+            self.bad_records += skip_or_fail(b, self.url.topic, m.partition(), m.offset(), self.policy,
+                                             job=self.job, rank=self.rank)
             return None
-        tokens = np.empty(len(ids) + 1, dtype=self.dtype)
-        tokens[:-1] = ids
-        tokens[-1] = self.eos_id
-        return tokens
 
     def _on_error(self, err) -> None:
         from confluent_kafka import KafkaError
@@ -196,3 +188,24 @@ class FollowReader:
             self._down_since = None
         except KafkaException as e:
             raise unavailable(self.url.bootstrap, e) from None
+
+
+def record_tokens(value: bytes | None, url: KafkaURL, *, dtype: np.dtype, vocab_size: int,
+                  eos_id: int) -> np.ndarray:
+    """A record's ids and an EOS (how follow mode packs documents); BadRecord if it is bad."""
+    ids = decode_record(value, dtype=dtype, vocab_size=vocab_size, max_bytes=url.max_record_bytes)
+    tokens = np.empty(len(ids) + 1, dtype=dtype)
+    tokens[:-1] = ids
+    tokens[-1] = eos_id
+    return tokens
+
+
+def skip_or_fail(bad: BadRecord, topic: str, partition: int, offset: int, policy: str, *, job: str,
+                 rank: int) -> int:
+    """A bad record under the stream's policy: DataLoss naming it (fail), or 1 to count (skip)."""
+    where = f"{topic}/{partition}@{offset}"
+    if policy == "fail":
+        raise DataLoss(f"bad Kafka record {where}: {bad} (policy bad_records=fail; "
+                       "bad_records=skip serves the stream without it)") from None
+    log.warning("bad Kafka record %s skipped (job %s rank %d): %s", where, job, rank, bad)
+    return 1

@@ -10,19 +10,25 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 
 from feeder import manifest as mf
-from feeder.errors import DataLoss, FailedPrecondition, Unavailable, WrongReplica
-from feeder.prep import ShardWriter, join_documents
-from feeder.sources.kafka.codec import BadRecord, decode_record
-from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable, watermarks
+from feeder import preparing
+from feeder.errors import FailedPrecondition, WrongReplica
+from feeder.prep import ShardWriter
+from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable
+from feeder.sources.kafka.once import Beat, build_once, lock_path
 from feeder.sources.kafka.options import KafkaURL
+from feeder.sources.kafka.partread import PartitionRead
 from feeder.sources.kafka.ranges import parse_ranges
 
 log = logging.getLogger("feeder.kafka")
+
+READERS = 8   # partitions read at once while building a snapshot (each its own consumer and thread)
+PROGRESS_EVERY_S = 5.0
 
 
 class Snapshots:
@@ -35,13 +41,16 @@ class Snapshots:
         self._lock = threading.Lock()
         self._snapshots: dict[str, object] = {}
         self._building: dict[str, threading.Lock] = {}
+        # ranges -> the progress of a snapshot being built for this process, here or by another
+        # process or feeder sharing the spool (cache) directory: for the log, status and metrics
+        self.progress: dict[str, dict] = {}
 
     def get(self, ranges: str, policy: str):
         """The epoch `ranges` as a PosixSource (with `bad_records`: how many were skipped)."""
         from feeder.sources.posix import PosixSource
 
-        key = hashlib.sha256(f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
-                             f"{self.url.max_record_bytes}".encode()).hexdigest()[:20]
+        out = self.dir_for(ranges, policy)
+        key = out.name
         with self._lock:
             snap = self._snapshots.get(key)
             lock = self._building.setdefault(key, threading.Lock())
@@ -51,26 +60,75 @@ class Snapshots:
             snap = self._snapshots.get(key)
             if snap is not None:
                 return snap
-            out = self.spool / f"{self.url.topic}-{key}"
-            if not (out / mf.NAME).is_file():
-                SnapshotBuild(self.url, ranges, policy, dtype=self.dtype, vocab_size=self.vocab_size,
-                              eos_id=self.eos_id).run(out)
+            try:
+                self._build_or_wait(out, ranges, policy)
+            finally:
+                self.progress.pop(ranges, None)
+                preparing.finished(ranges)
             snap = PosixSource(out, name=self.url.topic)
             snap.bad_records = json.loads((out / "kafka.json").read_text())["bad_records"]
             self._snapshots[key] = snap
             return snap
 
 
+    def dir_for(self, ranges: str, policy: str) -> Path:
+        """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
+        key = hashlib.sha256(f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
+                             f"{self.url.max_record_bytes}".encode()).hexdigest()[:20]
+        return self.spool / f"{self.url.topic}-{key}"
+
+    def _build_or_wait(self, out: Path, ranges: str, policy: str) -> None:
+        """Build `out` here, or wait for the process already building it (once.py)."""
+        done = (out / mf.NAME).is_file
+        said = [0.0]
+
+        def build() -> None:
+            b = SnapshotBuild(self.url, ranges, policy, dtype=self.dtype, vocab_size=self.vocab_size,
+                              eos_id=self.eos_id)
+            beat = Beat(lock_path(out), lambda: self._note(ranges, b.progress(), said, "building"))
+            try:
+                b.run(out)
+            finally:
+                beat.stop()
+
+        build_once(out, done, build, waiting=lambda got: self._note(ranges, got, said, "waiting for"))
+
+    def _note(self, ranges: str, progress: dict | None, said: list[float], doing: str) -> dict:
+        """Keep a build's progress for status and metrics, and log it every few seconds."""
+        progress = dict(progress or {"ranges": ranges, "phase": "starting"})
+        progress["doing"] = doing
+        self.progress[ranges] = progress
+        total = progress.get("records") or 0
+        done = progress.get("records_done", 0) / total if total else None
+        by = "" if doing == "building" else f" (built by {progress.get('host', '?')} pid {progress.get('pid', '?')})"
+        what = (f"{doing} the snapshot of Kafka epoch {ranges}: {progress.get('phase')}, "
+                f"{'?' if done is None else f'{100 * done:.0f}%'} of {total or '?'} records{by}")
+        preparing.note(ranges, what, done)
+        if time.monotonic() - said[0] >= PROGRESS_EVERY_S:
+            said[0] = time.monotonic()
+            log.info("kafka: %s", what)
+        return progress
+
+
 class SnapshotBuild:
-    """One read of an epoch's ranges into a snapshot directory (written aside, then renamed
-    into place, so a reader never sees half of one)."""
+    """One read of an epoch's ranges into a snapshot directory: the partitions read in parallel
+    (partread.py), then joined in (partition, offset) order into shards exactly as a sequential
+    read would write them (same files, same fingerprint); written aside, then renamed into
+    place, so a reader never sees half of one."""
 
     def __init__(self, url: KafkaURL, ranges: str, policy: str, *, dtype: np.dtype, vocab_size: int, eos_id: int):
         self.url, self.ranges, self.policy = url, ranges, policy
         self.dtype, self.vocab_size, self.eos_id = dtype, vocab_size, eos_id
-        self.bad: list[dict] = []
+        self.parts: list[PartitionRead] = []
+        self.records = 0                  # records in the epoch's ranges
+        self.phase = "starting"
         self.docs = self.tokens = 0
-        self.writer: ShardWriter | None = None
+
+    def progress(self) -> dict:
+        """What the build has done (the lock file's content, the log's, status's)."""
+        done = sum(r.done for r in self.parts)
+        return {"ranges": self.ranges, "phase": self.phase, "records_done": done, "records": self.records,
+                "tokens_read": sum(r.tokens for r in self.parts)}
 
     def run(self, out: Path) -> None:
         from confluent_kafka import Consumer, KafkaException
@@ -83,111 +141,61 @@ class SnapshotBuild:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         t0 = time.monotonic()
-        self.writer = ShardWriter(tmp, self.dtype.name, shard_tokens=64 << 20, chunk_tokens=1 << 20)
-        c = Consumer(consumer_config(self.url.bootstrap))
+        stop = threading.Event()
+        self.parts = [PartitionRead(self.url, self.ranges, p, lo, hi, policy=self.policy, dtype=self.dtype,
+                                    vocab_size=self.vocab_size, tmp=tmp, stop=stop) for p, lo, hi in spans if hi > lo]
+        self.records = sum(r.hi - r.lo for r in self.parts)
         try:
-            # The topic and each partition must still exist before we wait on them: a deleted
-            # topic is NOT_FOUND at once (as in follow mode), not UNAVAILABLE retried for minutes.
-            present = set(partitions(c, topic, self.url.bootstrap))
-            for p, lo, hi in spans:
-                if hi <= lo:
-                    continue
-                self._check(c, present, p, lo, hi)
-                self._read(c, p, lo, hi)
-        except KafkaException as e:
-            raise unavailable(self.url.bootstrap, e) from None
+            c = Consumer(consumer_config(self.url.bootstrap))
+            try:
+                # The topic and each partition must still exist before we wait on them: a deleted
+                # topic is NOT_FOUND at once (as in follow mode), not UNAVAILABLE retried for minutes.
+                present = set(partitions(c, topic, self.url.bootstrap))
+                for r in self.parts:
+                    r.check(c, present)
+            except KafkaException as e:
+                raise unavailable(self.url.bootstrap, e) from None
+            finally:
+                close_soon(c)
+            self.phase = "reading"
+            self._read_all(stop)
+            self.phase = "writing"
+            self._write(tmp)
         except BaseException:
+            stop.set()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        finally:
-            close_soon(c)
         self._finish(tmp, out, t0)
 
-    def _check(self, c, present: set[int], p: int, lo: int, hi: int) -> None:
-        """The partition still holds [lo, hi): else DataLoss, as the epoch cannot be read again."""
-        topic, ranges = self.url.topic, self.ranges
-        if p not in present:
-            raise DataLoss(f"Kafka {topic}/{p}: the partition is gone (the topic has partitions "
-                           f"{sorted(present)}), so the epoch {ranges} cannot be read again")
-        low_now, high_now = watermarks(c, topic, p, self.url.bootstrap)
-        if low_now > lo:
-            raise DataLoss(f"Kafka {topic}/{p}: records from offset {lo} are gone (retention); the "
-                           f"partition now starts at {low_now}, so the epoch {ranges} cannot be read again")
-        if high_now < hi:
-            # Offsets never go back: the topic was deleted and created again (or truncated).
-            raise DataLoss(f"Kafka {topic}/{p}: the epoch {ranges} needs offsets up to {hi}, the partition "
-                           f"now ends at {high_now} (deleted and created again?), so it cannot be read again")
-
-    def _read(self, c, p: int, lo: int, hi: int) -> None:
-        """Offsets [lo, hi) of partition p into the writer, in offset order."""
-        from confluent_kafka import TopicPartition
-
-        topic = self.url.topic
-        c.assign([TopicPartition(topic, p, lo)])
-        pending: list[np.ndarray] = []
-        pos, idle_since = lo, time.monotonic()
-        while pos < hi:
-            # No more than the range still needs: consume() returns once it has that many,
-            # instead of waiting out its timeout for a 1000 that will not come.
-            msgs = c.consume(max(1, min(1000, hi - pos)), timeout=1.0)
-            if not msgs:
-                pos = max(pos, c.position([TopicPartition(topic, p)])[0].offset)
-                if pos < hi and time.monotonic() - idle_since > 30:
-                    raise Unavailable(f"Kafka {topic}/{p}: no progress reading offsets [{pos}, {hi}) for 30s")
-                continue
-            idle_since = time.monotonic()
-            for m in msgs:
-                pos, done = self._take(m, p, pos, hi, pending)
-                if done:
-                    break
-            if sum(len(a) for a in pending) >= 1 << 20:
-                self._flush(pending)
-                pending = []
-        self._flush(pending)
-        c.unassign()
-
-    def _take(self, m, p: int, pos: int, hi: int, pending: list[np.ndarray]) -> tuple[int, bool]:
-        """One consumed message: its ids onto `pending` if it is a good record of the range.
-        Returns the new read position and whether the range's end was passed."""
-        from confluent_kafka import KafkaError
-
-        topic = self.url.topic
-        err = m.error()
-        if err is not None:
-            if err.code() == KafkaError._PARTITION_EOF:
-                return max(pos, m.offset()), False
-            if err.code() == KafkaError._AUTO_OFFSET_RESET:
-                raise DataLoss(f"Kafka {topic}/{p}: offset {pos} is out of range ({err.str()})")
-            if err.fatal():
-                raise unavailable(self.url.bootstrap, err.str())
-            log.warning("kafka %s/%d: %s (retrying)", topic, p, err.str())
-            return pos, False
-        off = m.offset()
-        if off >= hi:
-            return off + 1, True
-        try:
-            pending.append(decode_record(m.value(), dtype=self.dtype, vocab_size=self.vocab_size,
-                                         max_bytes=self.url.max_record_bytes))
-        except BadRecord as b:
-            where = f"{topic}/{p}@{off}"
-            if self.policy == "fail":
-                raise DataLoss(f"bad Kafka record {where}: {b} (policy bad_records=fail; "
-                               "bad_records=skip serves the epoch without it)") from None
-            log.warning("bad Kafka record %s skipped: %s", where, b)
-            self.bad.append({"partition": p, "offset": off, "kind": b.kind, "detail": b.detail})
-        return off + 1, False
-
-    def _flush(self, docs: list[np.ndarray]) -> None:
-        if not docs:
+    def _read_all(self, stop: threading.Event) -> None:
+        """Every partition at once (up to READERS), each on its own consumer; the first error
+        stops the others and is raised."""
+        if not self.parts:
             return
-        tokens, lengths = join_documents(docs, self.eos_id, self.dtype)
-        self.writer.add(tokens, lengths)
-        self.docs, self.tokens = self.docs + len(docs), self.tokens + len(tokens)
+        with ThreadPoolExecutor(min(READERS, len(self.parts)), thread_name_prefix="kafka-snapshot") as pool:
+            futures = [pool.submit(r.run) for r in self.parts]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                stop.set()
+                raise failed[0].exception()
+            for f in futures:
+                f.result()
+
+    def _write(self, tmp: Path) -> None:
+        self.writer = ShardWriter(tmp, self.dtype.name, shard_tokens=64 << 20, chunk_tokens=1 << 20)
+        for r in self.parts:
+            for tokens, lengths in r.documents(self.eos_id):
+                self.writer.add(tokens, lengths)
+                self.docs, self.tokens = self.docs + len(lengths), self.tokens + len(tokens)
+            r.ids_path.unlink()
+            r.lengths_path.unlink()
 
     def _finish(self, tmp: Path, out: Path, t0: float) -> None:
         """The manifest and the bad-record list, then the directory renamed into place."""
-        shards = self.writer.close()
-        bad, ranges = self.bad, self.ranges
+        shards = self.writer.close() if self.parts else []
+        bad = [b for r in self.parts for b in r.bad]
+        ranges = self.ranges
         if not shards:
             shutil.rmtree(tmp, ignore_errors=True)
             raise FailedPrecondition(f"the Kafka epoch {ranges} holds no servable records"
@@ -199,5 +207,7 @@ class SnapshotBuild:
                                                     "bad_records": len(bad), "bad": bad[:1000]}))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        log.info("kafka epoch %s: %d documents, %d tokens, %d bad records skipped, read in %.1fs into %s",
-                 ranges, self.docs, self.tokens, len(bad), time.monotonic() - t0, out)
+        took = time.monotonic() - t0
+        log.info("kafka epoch %s: %d documents, %d tokens, %d bad records skipped, read in %.1fs (%.0f MB/s of "
+                 "tokens, %d partitions at once) into %s", ranges, self.docs, self.tokens, len(bad), took,
+                 self.tokens * self.dtype.itemsize / max(took, 1e-9) / 1e6, min(READERS, len(self.parts)), out)

@@ -20,9 +20,9 @@ from feeder.sources.kafka.consumer import close_soon, consumer_config, partition
 from feeder.sources.kafka.follow import FollowPlan
 from feeder.sources.kafka.groups import GroupCommits
 from feeder.sources.kafka.options import KafkaURL
-from feeder.sources.kafka.reader import FollowReader
 from feeder.sources.kafka.ranges import format_ranges
 from feeder.sources.kafka.register import EpochRegister
+from feeder.sources.kafka.shared import FollowWindow, Subscription
 from feeder.sources.kafka.snapshot import Snapshots
 
 log = logging.getLogger("feeder.kafka")
@@ -31,7 +31,7 @@ log = logging.getLogger("feeder.kafka")
 class KafkaSource:
     """Presents a topic (a `Source`); `plan` decides per stream what the job reads (see the package doc)."""
 
-    def __init__(self, url: KafkaURL):
+    def __init__(self, url: KafkaURL, *, cache_dir: str = ""):
         from confluent_kafka import Consumer
 
         self.url = url
@@ -48,8 +48,16 @@ class KafkaSource:
         self.n_tokens = self.n_documents = 0   # unknown until a job freezes its epoch
         self._register = EpochRegister(url.bootstrap, url.topic, ttl_s=url.epoch_ttl_s)
         self._groups = GroupCommits(url)
-        spool = Path(url.spool or Path(tempfile.gettempdir()) / f"feeder-kafka-spool-{os.getuid()}")
+        # Where bounded epochs' snapshots are built once and kept: shared with every feeder and
+        # process that reads the same directory (once.py keeps it to one build).
+        if url.spool:
+            spool = Path(url.spool)
+        elif cache_dir:
+            spool = Path(cache_dir) / "kafka"
+        else:
+            spool = Path(tempfile.gettempdir()) / f"feeder-kafka-spool-{os.getuid()}"
         self._snapshots = Snapshots(url, spool, dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id)
+        self._window: FollowWindow | None = None   # follow mode: the records this process's streams share
 
     # -- Info
     @property
@@ -97,8 +105,7 @@ class KafkaSource:
             if spec.reshard:
                 raise FailedPrecondition("a Kafka follow stream cannot be re-dealt to another world size; "
                                          "resume it with the world size of its cursor")
-            reader = FollowReader.for_stream(self, spec, policy)
-            return FollowPlan(self, spec, cursor, policy, reader=reader)
+            return FollowPlan(self, spec, cursor, policy, reader=self.subscribe(spec, policy))
         if cursor is not None and cursor.src is not None:
             if type(cursor.src) is not KafkaEpoch:
                 raise FailedPrecondition("cursor does not fit this stream: it is from a Kafka follow stream, and "
@@ -122,6 +129,31 @@ class KafkaSource:
         self._register.hold(spec.job, plan)
         return plan
 
+    def subscribe(self, spec: StreamSpec, policy: str) -> Subscription:
+        """A follow stream's reader: through this process's shared window of the topic (shared.py)."""
+        c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
+        with self._meta_lock:
+            parts = partitions(c, topic, bootstrap)
+            w = self._window
+            if w is None or w.parts != parts:   # first stream, or the topic's partitions changed
+                if w is not None:
+                    w.retire()
+                w = self._window = FollowWindow(self.url, parts, dtype=self.dtype, vocab_size=self.vocab_size,
+                                                eos_id=self.eos_id)
+        return Subscription(w, policy=policy, job=spec.job, rank=spec.rank, world_size=spec.world_size,
+                            low_watermarks=lambda: self._low_watermarks(parts))
+
+    def _low_watermarks(self, parts: list[int]) -> list[int]:
+        """Each partition's low watermark: where a follow stream without a cursor starts."""
+        c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
+        with self._meta_lock:
+            return [watermarks(c, topic, p, bootstrap)[0] for p in parts]
+
+    def follow_figures(self) -> dict:
+        """The shared follow window's figures (empty before the first follow stream)."""
+        w = self._window
+        return w.figures() if w is not None else {}
+
     def snapshot(self, ranges: str, policy: str):
         """The frozen epoch as a local file dataset, built once per (ranges, policy)."""
         return self._snapshots.get(ranges, policy)
@@ -135,6 +167,8 @@ class KafkaSource:
     def close(self) -> None:
         """Lets go of the source's Kafka clients (without waiting on them)."""
         close_soon(self._consumer)
+        if self._window is not None:
+            self._window.close()
         self._register.close()
         self._groups.close()
 

@@ -315,12 +315,13 @@ def test_ids_past_2_32_reach_the_rank_and_resume_exactly(tmp_path):
     ledger = tmp_path / "ledger.jsonl"
     f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--ledger", str(ledger)])
     try:
-        first = served(f, n_batches=4, world_size=1000, rank=999, permutation="stateless", micro_batch=64)
+        # (few samples: each lies in another chunk of the file, and a chunk's first read reads it whole)
+        first = served(f, n_batches=4, world_size=1000, rank=999, permutation="stateless", micro_batch=4)
         ids = [i for b in first for i in b.sample_ids.tolist()]
         o = order.Stateless(n, 5)
         assert ids == o[999 + 1000 * np.arange(len(ids))].tolist()
         assert max(ids) > 2**32
-        again = served(f, n_batches=2, world_size=1000, rank=999, permutation="stateless", micro_batch=64,
+        again = served(f, n_batches=2, world_size=1000, rank=999, permutation="stateless", micro_batch=4,
                        cursor=first[1].cursor)
         assert [b.sample_ids.tolist() for b in again] == [b.sample_ids.tolist() for b in first[2:]]
         assert not loaded_torch(f.proc.pid)

@@ -58,6 +58,9 @@ def serve_config(args):
         raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... (or NAME=DIR|URL, repeated) or a "
                               "--config region file with source = ...")
     cfg = ServeConfig(**values)
+    from feeder.order_store import orders_directory
+
+    orders_directory(cfg.cache)   # before the sources open (their warnings would precede the one line)
     if args.metrics_port is not None:
         # Loopback unless told otherwise: metrics name every job, so reaching them from
         # elsewhere is a choice (--metrics-host), with a metrics token when there is a tokens file.

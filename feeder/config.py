@@ -24,7 +24,7 @@ UINT64_MAX = (1 << 64) - 1
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
 MAX_SOURCES = 256    # sources in one mixture
-MAX_EPOCH_SAMPLES = 2**63 - 1   # positions are int64 throughout
+MAX_EPOCH_SAMPLES = 2**62   # positions are int64; the stateless order's network spans at most 2^62
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHOWN_CHARS = 64
 
@@ -304,7 +304,8 @@ class ServeConfig:
         _compression("default_compression", self.default_compression, self.default_level)
         _positive("threads", self.threads, upper=256)
         _positive("processes", self.processes, upper=256)
-        if not isinstance(self.cache_max_gb, (int, float)) or not self.cache_max_gb > 0:
+        if isinstance(self.cache_max_gb, bool) or not isinstance(self.cache_max_gb, (int, float)) \
+                or not 0 < self.cache_max_gb < float("inf"):
             raise InvalidArgument(f"cache_max_gb must be a positive number of GB, got {shown(self.cache_max_gb)}")
         if isinstance(self.scrub_mb_s, bool) or not isinstance(self.scrub_mb_s, (int, float)) \
                 or not 0 <= self.scrub_mb_s < float("inf"):

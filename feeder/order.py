@@ -110,7 +110,7 @@ def _round_keys(seed: int) -> np.ndarray:
 
 
 class Stateless:
-    """A seeded bijection of [0, n), computed per position: O(1) memory, any n.
+    """A seeded bijection of [0, n), computed per position: O(1) memory, any n up to 2^62.
 
     A balanced Feistel network over 2h bits (the smallest even width with 4^h >= n) is a
     bijection of [0, 4^h) whatever its round function; walking its cycles until the value falls

@@ -18,11 +18,12 @@ ends a build within milliseconds. Files beyond `max_bytes` are removed oldest-us
 from __future__ import annotations
 
 import fcntl
+import glob
 import logging
 import mmap
 import os
 import shutil
-import tempfile
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from feeder import order
+from feeder.errors import InvalidArgument
 from feeder.sampler import OrderPending
 
 log = logging.getLogger("feeder.orders")
@@ -63,8 +65,8 @@ class OrderStore:
     """Large torch orders for one feeder process (see the module doc)."""
 
     def __init__(self, cache_dir: str, *, max_bytes: int = 64 << 30):
-        self.dir = os.path.join(cache_dir, "orders")
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = orders_directory(cache_dir)
+        _remove_orphans(self.dir)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._mapped: dict[str, np.ndarray] = {}      # name -> the file's mapping (read-only)
@@ -103,12 +105,17 @@ class OrderStore:
         with self._lock:
             return list(self._builds.values())
 
-    def stop(self) -> None:
-        """End every build now (SIGTERM): their loops see the flag within ~10 ms."""
+    def stop(self, wait_s: float = 5.0) -> None:
+        """End every build now (SIGTERM): their loops see the flag within ~10 ms, and their
+        partial files (gigabytes of /dev/shm, which is memory) are removed before this returns."""
         with self._lock:
             self._stopped = True
             for b in self._builds.values():
                 b.progress[1] = 1
+            threads = list(self._threads.values())
+        deadline = time.monotonic() + wait_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- inside --
     @staticmethod
@@ -121,7 +128,12 @@ class OrderStore:
         path = os.path.join(self.dir, name)
         try:
             arr = np.memmap(path, dtype=order.order_dtype(n), mode="r", shape=(n,))
-        except (FileNotFoundError, ValueError):   # not there yet (or another process's partial name)
+        except FileNotFoundError:   # not there yet
+            return None
+        except ValueError:   # not an order of n ids (truncated, or put there by hand): built again
+            log.error("order %s: %s holds %d bytes, not %d: removed, to be built again", name, path,
+                      os.path.getsize(path), n * order.order_dtype(n).itemsize)
+            os.unlink(path)
             return None
         os.utime(path)   # used: the last to be removed when the directory is over its budget
         with self._lock:
@@ -191,7 +203,8 @@ class OrderStore:
         size = n * dtype.itemsize
         self._make_room(size)
         scratch_dir = self.dir if _memory_backed(self.dir) else _shm_dir(size) or self.dir
-        fd, scratch = tempfile.mkstemp(prefix=f".{b.name}.", suffix=".part", dir=scratch_dir)
+        scratch = os.path.join(scratch_dir, f".{b.name}.{_HOST}.{os.getpid()}.part")   # (see _remove_orphans)
+        fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         log.info("order %s: building %s (%.1f GB) in %s", b.name, f"{n:,} ids", size / 1e9, scratch_dir)
         t0 = time.monotonic()
         try:
@@ -260,6 +273,42 @@ class OrderStore:
 
 class _Stopped(Exception):
     pass
+
+
+def orders_directory(cache_dir: str) -> str:
+    """The cache directory's orders/, made if missing (InvalidArgument when it cannot be: a
+    file, no permission, a read-only filesystem are the operator's to fix)."""
+    path = os.path.join(cache_dir, "orders")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgument(f"--cache-dir {cache_dir}: {e.strerror}; expected a directory this user can create "
+                              "and write") from None
+    return path
+
+
+_HOST = socket.gethostname().replace(".", "_")
+
+
+def _remove_orphans(cache: str) -> None:
+    """Partial orders whose builder on this host is gone (SIGKILL, a crash): a build in
+    /dev/shm holds memory until its file is removed. Named .NAME.HOST.PID.part; another host's
+    are left to that host (its pids mean nothing here)."""
+    for where in (cache, "/dev/shm"):
+        for path in glob.glob(os.path.join(where, f".randperm-*.{_HOST}.*.part")):
+            pid = path.rsplit(".", 2)[-2]
+            try:
+                os.kill(int(pid), 0)
+                continue   # (alive: its own build)
+            except ProcessLookupError:
+                pass
+            except (ValueError, PermissionError):
+                continue
+            try:
+                os.unlink(path)
+                log.info("order cache: removed %s, left by a build that did not finish", path)
+            except OSError:
+                pass
 
 
 def _memory_backed(path: str) -> bool:

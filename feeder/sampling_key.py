@@ -60,6 +60,8 @@ def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple
         theirs = getattr(cursor, name)
         ours = fingerprint if name == "fingerprint" else getattr(spec, name)
         if theirs != ours:
+            if name == "permutation":   # "": torch's, where every release draws the same (feeder.order.agreed)
+                theirs, ours = theirs or "torch", ours or "torch"
             shown = "dataset fingerprint" if name == "fingerprint" else name
             hint = " (set reshard to re-deal the epoch's remaining samples over a new world size)" \
                 if reshardable and name in DEAL else ""

@@ -145,7 +145,8 @@ def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact
     """Feeder A has the epoch's order in its cache; feeder B's cache directory has its build held
     by another process. The rank, killed off A, fails over to B, which tells it that it is
     waiting for the build (the rank's 3 s idle timeout never fires: no failover storm), then
-    builds it itself when the other builder goes away, and serves exactly what A would have."""
+    builds it itself when the other builder goes away, and serves exactly what A would have.
+    (The rank's idle timeout, 4 s, is below the other builder's 6 s: only the notes keep it.)"""
     n = sampler.SMALL_ORDER + 12_345          # just past what is drawn in memory: a stored order
     data = flat_corpus(tmp_path, n)
     cache_a, cache_b = tmp_path / "a", tmp_path / "b"
@@ -157,7 +158,7 @@ def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact
     want = torch_rank_ids(n, 2, 1, 5)
     try:
         ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=1, micro_batch=16,
-                           seed=5, idle_timeout_s=3, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
+                           seed=5, idle_timeout_s=4, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
         got, t_kill = [], None
         for batch in ds:
             got += batch.sample_ids.tolist()
@@ -203,6 +204,9 @@ def test_status_shows_a_build_and_sigterm_ends_it_at_once(tmp_path):
         f.proc.wait(15)
         assert time.monotonic() - t0 < 10
         assert not list((tmp_path / "cache" / "orders").glob("randperm-*.u32"))   # no partial order left
+        # nor its memory: the build's scratch file in /dev/shm is gone (outside review, B1)
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith(".randperm-io-n1000000000-")
+                    and p.endswith(f".{f.proc.pid}.part")]
         ds.client.close()
     finally:
         f.stop()
@@ -303,7 +307,7 @@ def test_stateless_orders_differ_per_epoch_and_seed_and_deal_as_distributed_samp
         with pytest.raises(FeederError) as e:
             served(f, n_batches=1, world_size=world, permutation="torch", cursor=first[0].cursor, retry_for_s=3)
         assert e.value.code == Code.FAILED_PRECONDITION and "permutation differs" in str(e.value)
-        assert "'stateless'" in str(e.value)
+        assert "the cursor has 'stateless', the request has 'torch'" in str(e.value)
     finally:
         f.stop()
 
@@ -353,3 +357,65 @@ def test_the_blending_from_checkpoints_is_the_materialized_one_bit_for_bit(weigh
     for k in (0, 1, e, 5 * e + 3, size):
         assert np.array_equal(cp.counts(k), np.bincount(index[:k], minlength=len(w)))
     assert np.array_equal(cp.counts(size), counts)
+
+
+# -- found by the outside review ------------------------------------------------------------------
+
+def test_review_a_truncated_order_file_is_built_again_and_an_orphaned_build_removed(tmp_path):
+    """B4: a cache file of the wrong size (truncated, or another order copied in) made ranks wait
+    forever on a build that never started; now it is removed and built again, and the ids are
+    torch's. B1: the partial file of a builder that was SIGKILLed (named for its host and pid)
+    is removed when a feeder opens the cache, not left holding memory."""
+    n = sampler.SMALL_ORDER + 7
+    name = f"randperm-fwd-n{n}-s3.u32"
+    orders = tmp_path / "cache" / "orders"
+    orders.mkdir(parents=True)
+    (orders / name).write_bytes(b"\0" * 1000)
+    from feeder.order_store import _HOST
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = orders / f".{name}.{_HOST}.{dead.pid}.part"
+    orphan.write_bytes(b"\0" * 4096)
+    f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--cache-dir", str(tmp_path / "cache")])
+    try:
+        got = [i for b in served(f, n_batches=2, seed=3, world_size=2, idle_timeout_s=10) for i in b.sample_ids.tolist()]
+        assert got == torch_rank_ids(n, 2, 0, 3)[:len(got)]
+        assert (orders / name).stat().st_size == 4 * n
+        assert not orphan.exists()
+    finally:
+        f.stop()
+
+
+def test_review_cache_flags_a_user_gets_wrong_are_one_line_and_exit_2(tmp_path):
+    """B8: --cache-dir naming a file, and --cache-max-gb inf, ended in a traceback (exit 1)."""
+    from tests.helpers import refused
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    data = flat_corpus(tmp_path, 100)
+    for flags, words in (((f"--cache-dir={a_file}",), ("--cache-dir", "expected a directory")),
+                         (("--cache-max-gb=inf",), ("cache_max_gb", "positive number"))):
+        r = subprocess.run([sys.executable, "-m", "feeder.cli", "serve", "--source", str(data), *VOCAB,
+                            "--listen", "127.0.0.1:0", *flags], capture_output=True, text=True, timeout=60)
+        refused(r, *words)
+
+
+def test_review_audit_of_a_huge_epoch_costs_what_was_delivered_not_n(tmp_path):
+    """B3: `feeder audit` built set(range(n)): 3 GB at 3*10^7 samples, unusable at 10^10. A
+    ledger of a 10^10-sample epoch is audited from its lines alone (it is not exactly once: it
+    holds two batches)."""
+    import json
+
+    ledger = tmp_path / "ledger.jsonl"
+    n = 10**10
+    lines = [{"open": "big", "region": "r", "n": n, "world": 1, "rank": 0, "seed": 0, "shuffle": True,
+              "drop_last": False, "fingerprint": "f"},
+             {"job": "big", "epoch": 0, "world": 1, "rank": 0, "step": 0, "ids": [n - 1, 2**33]},
+             {"job": "big", "epoch": 0, "world": 1, "rank": 0, "step": 1, "ids": [5, 6]}]
+    ledger.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "feeder.cli", "audit", str(ledger)], capture_output=True, text=True,
+                       timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 1 and f"{n - 4} missing" in r.stdout, r.stdout + r.stderr

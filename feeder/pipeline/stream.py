@@ -32,7 +32,7 @@ MAX_BATCHES_PER_MESSAGE = 256
 # WAITING_POLL_S and tells the rank every WAITING_EVERY_S (well inside its idle timeout).
 WAITING = object()
 WAITING_POLL_S = 0.2
-WAITING_EVERY_S = 2.0
+WAITING_EVERY_S = 1.0
 
 # Upper bounds (seconds) of the source read latency histogram.
 READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

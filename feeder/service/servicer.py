@@ -80,7 +80,7 @@ def add_to_server(servicer: "FeederServicer", server) -> None:
         server.add_registered_method_handlers(SERVICE, handlers)
 
 
-WAITING_NOTE_S = 2.0   # well inside a client's idle timeout (30 s by default)
+WAITING_NOTE_S = 1.0   # well inside a client's idle timeout (30 s by default; a loaded host's beats lag)
 
 
 def _drop_opened(engine: Engine, opening: asyncio.Future) -> None:

@@ -12,7 +12,6 @@ give up: pure code), .decode (reply -> tensors), .handoff (the queue to the trai
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import threading
@@ -92,11 +91,11 @@ class FeederClient:
     """
 
     def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
         # "torch" (or none named) is this process's torch release's randperm: the feeder draws the
         # order exactly as torch here would, whatever torch (if any) the feeder host has.
-        if cfg.spec.permutation in ("", "torch"):
-            cfg = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, permutation=torch_kind(torch.__version__)))
-        self.cfg = cfg
+        p = cfg.spec.permutation
+        self._permutation = torch_kind(torch.__version__) if p in ("", "torch") else p
         if cfg.keep_freed_memory:
             keep_freed_memory()
         self.cursor = cfg.cursor          # of the last batch queued (where a reopened stream starts)
@@ -259,7 +258,8 @@ class FeederClient:
         return stream_request(self.cfg.spec, self.cursor, worker_phase=self._phase,
                               reshard=self.cfg.spec.reshard and self.cursor == self.cfg.cursor,
                               failover=self.policy.after_break, rtt_s=self.rtt_s.get(target, 0.0),
-                              client_started_ns=self._started_ns, continued=self._opened)
+                              client_started_ns=self._started_ns, continued=self._opened,
+                              permutation=self._permutation)
 
     def _put(self, item) -> bool:
         return self._q.put_many([item], self._stop)

@@ -106,10 +106,12 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
                    reshard: bool | None = None, failover: bool = False, rtt_s: float = 0.0,
-                   client_started_ns: int | None = None, continued: bool | None = None) -> pb.StreamRequest:
+                   client_started_ns: int | None = None, continued: bool | None = None,
+                   permutation: str | None = None) -> pb.StreamRequest:
     """The StreamRequest of a spec: the inverse of spec_from_request (which also fills in the
     feeder's choices). worker_phase, reshard, client_started_ns and continued default to the spec's; rtt_s
-    (inf: unknown) lets the feeder tell a remote rank."""
+    (inf: unknown) lets the feeder tell a remote rank; `permutation` names the client's torch
+    release's kind where the spec says "torch"."""
     s = spec
     return pb.StreamRequest(
         job=s.job, rank=s.rank, world_size=s.world_size, seq_len=s.seq_len, micro_batch=s.micro_batch,
@@ -123,7 +125,7 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns,
         continued=s.continued if continued is None else continued,
         mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
-        remix=s.remix, permutation=s.permutation)
+        remix=s.remix, permutation=s.permutation if permutation is None else permutation)
 
 
 def waiting_reply(region: str, waiting: str) -> bytes:

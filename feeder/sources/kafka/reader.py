@@ -117,7 +117,7 @@ class FollowReader:
 
     def _fill(self, c, st: FollowState, queues: list[deque], paused: set[int]) -> bool:
         """One consume() into the partitions' queues; False when the reader was closed meanwhile."""
-        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+        from confluent_kafka import KafkaException, TopicPartition
 
         topic = self.url.topic
         try:
@@ -127,14 +127,7 @@ class FollowReader:
                 return False
             raise unavailable(self.url.bootstrap, e) from None
         for m in msgs:
-            err = m.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.code() == KafkaError._AUTO_OFFSET_RESET:
-                    raise DataLoss(f"Kafka {topic}/{m.partition()}: the cursor's offset is out of range "
-                                   f"(deleted by retention?): {err.str()}")
-                log.warning("kafka %s: %s", topic, err.str())
+            if not is_record(m, topic):
                 continue
             self._down_since = None
             q = self.parts.index(m.partition())
@@ -188,6 +181,22 @@ class FollowReader:
             self._down_since = None
         except KafkaException as e:
             raise unavailable(self.url.bootstrap, e) from None
+
+
+def is_record(m, topic: str) -> bool:
+    """Whether a consumed message is a record (False: an event to pass over, logged if it is an
+    error); DataLoss when the cursor's offset is gone (deleted by retention)."""
+    from confluent_kafka import KafkaError   # (the kafka extra's: imported where it is used)
+
+    err = m.error()
+    if err is None:
+        return True
+    if err.code() == KafkaError._AUTO_OFFSET_RESET:
+        raise DataLoss(f"Kafka {topic}/{m.partition()}: the cursor's offset is out of range "
+                       f"(deleted by retention?): {err.str()}")
+    if err.code() != KafkaError._PARTITION_EOF:
+        log.warning("kafka %s: %s", topic, err.str())
+    return False
 
 
 def record_tokens(value: bytes | None, url: KafkaURL, *, dtype: np.dtype, vocab_size: int,

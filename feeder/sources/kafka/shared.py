@@ -33,7 +33,7 @@ from feeder.errors import DataLoss, FeederError, Unavailable
 from feeder.sources.kafka.codec import BadRecord
 from feeder.sources.kafka.consumer import close_soon, consumer_config, unavailable
 from feeder.sources.kafka.options import KafkaURL
-from feeder.sources.kafka.reader import FollowReader, FollowState, record_tokens, skip_or_fail
+from feeder.sources.kafka.reader import FollowReader, FollowState, is_record, record_tokens, skip_or_fail
 
 log = logging.getLogger("feeder.kafka")
 
@@ -216,7 +216,7 @@ class FollowWindow:
     def _fetch(self, c, seed: int, queues: list[deque]) -> None:
         """One consume() into the partitions' queues, then as much of the interleave as they
         allow into the window."""
-        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+        from confluent_kafka import KafkaException, TopicPartition
 
         topic = self.url.topic
         with self._cond:
@@ -230,14 +230,7 @@ class FollowWindow:
             except (KafkaException, RuntimeError) as e:
                 raise unavailable(self.url.bootstrap, e) from None
         for m in msgs:
-            err = m.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.code() == KafkaError._AUTO_OFFSET_RESET:
-                    raise DataLoss(f"Kafka {topic}/{m.partition()}: the cursor's offset is out of range "
-                                   f"(deleted by retention?): {err.str()}")
-                log.warning("kafka %s: %s", topic, err.str())
+            if not is_record(m, topic):
                 continue
             self._down_since = None
             self.fetched += 1

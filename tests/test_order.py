@@ -151,12 +151,13 @@ def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact
     data = flat_corpus(tmp_path, n)
     cache_a, cache_b = tmp_path / "a", tmp_path / "b"
     a = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_a)])
-    b = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_b), "--metrics-port", "0"])
-    os.makedirs(cache_b / "orders", exist_ok=True)   # (the feeder made it at start)
-    name = f"randperm-fwd-n{n}-s5.u32"
-    holder = hold_lock(cache_b / "orders" / (name + ".lock"), 6)
-    want = torch_rank_ids(n, 2, 1, 5)
-    try:
+    b = holder = None
+    try:   # (from here on, whatever fails stops the processes: none is left serving)
+        b = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_b), "--metrics-port", "0"])
+        os.makedirs(cache_b / "orders", exist_ok=True)   # (the feeder made it at start)
+        name = f"randperm-fwd-n{n}-s5.u32"
+        holder = hold_lock(cache_b / "orders" / (name + ".lock"), 6)
+        want = torch_rank_ids(n, 2, 1, 5)
         ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=1, micro_batch=16,
                            seed=5, idle_timeout_s=4, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
         got, t_kill = [], None
@@ -177,9 +178,9 @@ def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact
         assert "feeder_orders_built_total 1.0" in text
         assert "feeder_failovers_total" in text
     finally:
-        holder.kill()
-        a.stop()
-        b.stop()
+        for p in (holder, a, b):
+            if p is not None:
+                p.kill() if isinstance(p, subprocess.Popen) else p.stop()
 
 
 def test_status_shows_a_build_and_sigterm_ends_it_at_once(tmp_path):

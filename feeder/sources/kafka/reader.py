@@ -38,7 +38,33 @@ class FollowState:
         return FollowState(list(self.next), self.turn, self.k)
 
 
-class FollowReader:
+class BrokerWatch:
+    """What a rank's own follow reader and the shared window (shared.FollowWindow) both do about
+    the broker; they have `url` and `_down_since` (when a broker error was first seen since data
+    last came)."""
+
+    def _on_error(self, err) -> None:
+        from confluent_kafka import KafkaError
+
+        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            log.warning("kafka %s: %s", self.url.topic, err.str())
+
+    def _check_broker(self, c) -> None:
+        """Tailing an idle topic looks like a dead broker; ask before calling it UNAVAILABLE."""
+        from confluent_kafka import KafkaException
+
+        if self._down_since is None or time.monotonic() - self._down_since < 3.0:
+            return
+        try:
+            c.list_topics(self.url.topic, timeout=2)
+            self._down_since = None
+        except KafkaException as e:
+            raise unavailable(self.url.bootstrap, e) from None
+
+
+class FollowReader(BrokerWatch):
     """One rank's records of a tailed topic, decoded, in interleave order.
 
     Owns a consumer (partitions assign()ed from the state it is given, no commits) and a
@@ -151,14 +177,6 @@ class FollowReader:
                                              job=self.job, rank=self.rank)
             return None
 
-    def _on_error(self, err) -> None:
-        from confluent_kafka import KafkaError
-
-        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-            log.warning("kafka %s: %s", self.url.topic, err.str())
-
     def _update_lag(self, c, st: FollowState) -> None:
         from confluent_kafka import TopicPartition
 
@@ -169,19 +187,6 @@ class FollowReader:
                 continue
             if hi >= 0:
                 self.lag[p] = max(0, hi - st.next[j])
-
-    def _check_broker(self, c) -> None:
-        """Tailing an idle topic looks like a dead broker; ask before calling it UNAVAILABLE."""
-        from confluent_kafka import KafkaException
-
-        if self._down_since is None or time.monotonic() - self._down_since < 3.0:
-            return
-        try:
-            c.list_topics(self.url.topic, timeout=2)
-            self._down_since = None
-        except KafkaException as e:
-            raise unavailable(self.url.bootstrap, e) from None
-
 
 def is_record(m, topic: str) -> bool:
     """Whether a consumed message is a record (False: an event to pass over, logged if it is an

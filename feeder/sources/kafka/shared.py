@@ -33,7 +33,7 @@ from feeder.errors import DataLoss, FeederError, Unavailable
 from feeder.sources.kafka.codec import BadRecord
 from feeder.sources.kafka.consumer import close_soon, consumer_config, unavailable
 from feeder.sources.kafka.options import KafkaURL
-from feeder.sources.kafka.reader import FollowReader, FollowState, is_record, record_tokens, skip_or_fail
+from feeder.sources.kafka.reader import BrokerWatch, FollowReader, FollowState, is_record, record_tokens, skip_or_fail
 
 log = logging.getLogger("feeder.kafka")
 
@@ -56,7 +56,7 @@ class _Entry:
         self.value, self.decoded, self.cum = value, None, cum
 
 
-class FollowWindow:
+class FollowWindow(BrokerWatch):
     """The records of one topic's interleave that this process's follow streams share.
 
     Window index g is the record's k counted from the state the window was seeded at; entries
@@ -291,26 +291,6 @@ class FollowWindow:
             self._attached.clear()
             self._reseed(self._tail)   # emptied; the next stream to join seeds it where it stands
             self._data.notify_all()
-
-    def _on_error(self, err) -> None:
-        from confluent_kafka import KafkaError
-
-        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-            log.warning("kafka %s: %s", self.url.topic, err.str())
-
-    def _check_broker(self, c) -> None:
-        """Tailing an idle topic looks like a dead broker; ask before calling it UNAVAILABLE."""
-        from confluent_kafka import KafkaException
-
-        if self._down_since is None or time.monotonic() - self._down_since < 3.0:
-            return
-        try:
-            c.list_topics(self.url.topic, timeout=2)
-            self._down_since = None
-        except KafkaException as e:
-            raise unavailable(self.url.bootstrap, e) from None
 
     def _update_high(self, c) -> None:
         from confluent_kafka import TopicPartition

@@ -79,10 +79,10 @@ class Engine:
                        for j in jobs))
 
     def mixture(self, spec: StreamSpec, cursor: Cursor | None) -> tuple[MixtureSource, StreamSpec]:
-        """The mixture a stream asks for, and its spec with epoch_samples filled in (ranks of a
-        job compare it: one that leaves it to the feeder agrees with one that names the sum).
-        Left open, a resumed stream keeps its cursor's: a remix that adds a source changes the
-        sum, not the epoch the job is in."""
+        """The mixture a stream asks for, and its spec with the cursor's epoch_samples where the
+        request leaves it open: a remix that adds a source changes the sources' sum, not the
+        epoch the job is in. Otherwise the plan fills in the sum (a bounded topic's size is known
+        only once the job's epoch of it is), before ranks of a job compare it."""
         src = self._mixtures.get(spec.mixture)
         if src is None:
             src = MixtureSource(spec.mixture, self.sources)
@@ -92,7 +92,7 @@ class Engine:
         n = spec.epoch_samples
         if not n and cursor is not None and type(cursor.src) is Mixture:
             n = cursor.src.epoch_samples
-        return src, dataclasses.replace(spec, epoch_samples=n or src.epoch_samples(spec))
+        return src, dataclasses.replace(spec, epoch_samples=n)
 
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
                           failover: bool = False) -> RankStream:
@@ -104,7 +104,8 @@ class Engine:
         plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded)
         # The permutation as the plan agreed it: the job's ranks are held to that, not to the
         # torch release each one names (they agree wherever their releases draw the same).
-        spec = dataclasses.replace(spec, permutation=plan.spec.permutation)
+        # (and a mixture's epoch_samples as the plan filled it in)
+        spec = dataclasses.replace(spec, permutation=plan.spec.permutation, epoch_samples=plan.spec.epoch_samples)
         stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize)
         try:
             stream.state = self.jobs.attach(spec, stream)

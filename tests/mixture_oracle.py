@@ -68,3 +68,33 @@ class Oracle:
     def fills(self, epoch):
         """(source, id) of every position of the epoch, in position order."""
         return [self.fill(epoch, p) for p in range(self.n)]
+
+
+def remixed_rank(names, sizes, old_w, new_w, n, *, world, rank, base, seed, epochs):
+    """{epoch: [(source, id)]} a rank gets after a remix from `old_w` (over the first names) to
+    `new_w` (over all) once `base` positions of epoch 0 were consumed (shuffle on, drop_last off,
+    torch's order; README "Mixtures", Curriculum): the rest of epoch 0's order dealt as
+    DistributedSampler deals a list, each remaining position's source by Megatron's rule over
+    the remaining positions in ascending order, each source's draws after every draw the old
+    mixture made in the epoch; later epochs wholly under the new weights."""
+    old_index, _ = megatron_blend(old_w, n)
+    draws = [old_index.count(d) for d in range(len(names))]      # the old mixture's draws in epoch 0, all skipped
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    rest = order[base:]
+    slot = {p: j for j, p in enumerate(sorted(rest))}
+    r_index, r_draw = megatron_blend(new_w, len(rest))
+    f_index, f_draw = megatron_blend(new_w, n)
+
+    def fill(d, k):
+        cycle, r = divmod(k, sizes[d])
+        return d, source_perm(sizes[d], seed, names[d], cycle, True)[r]
+
+    after_rest = [draws[d] + r_index.count(d) for d in range(len(names))]
+    per = -(-len(rest) // world)
+    padded = (rest * 2)[:per * world]
+    out = {0: [fill(r_index[slot[p]], draws[r_index[slot[p]]] + r_draw[slot[p]]) for p in padded[rank::world]]}
+    for e in range(1, epochs):
+        pos = reference_ids(n, world, rank, shuffle=True, seed=seed, drop_last=False, epoch=e)
+        out[e] = [fill(f_index[p], after_rest[f_index[p]] + (e - 1) * f_index.count(f_index[p]) + f_draw[p])
+                  for p in pos]
+    return out

@@ -22,7 +22,7 @@ from feeder.errors import Code
 from feeder.errors import FeederError
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs, reference_ids
-from tests.mixture_oracle import Oracle, megatron_blend, source_perm
+from tests.mixture_oracle import Oracle, megatron_blend, remixed_rank, source_perm
 
 SEQ = 16
 NAMES = ("web", "code", "news")
@@ -284,32 +284,13 @@ def test_remix_at_a_random_step_continues_under_the_new_weights(corpora, mixfeed
     for bs in after:
         check_tokens(corpora, names3, bs)
 
-    # the oracle
-    old_index, _ = megatron_blend(old_w, n)
-    draws = [old_index.count(d) for d in range(3)]      # the old mixture's draws in epoch 0, all skipped
     base = world * mb * cut
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
-    rest = order[base:]
-    slot = {p: j for j, p in enumerate(sorted(rest))}
-    r_index, r_draw = megatron_blend(new_w, len(rest))
-    f_index, f_draw = megatron_blend(new_w, n)
-
-    def fill(d, k):
-        cycle, r = divmod(k, sizes[d])
-        return d, source_perm(sizes[d], 5, names3[d], cycle, True)[r]
-
-    after_rest = [draws[d] + r_index.count(d) for d in range(3)]
     for rank in range(world):
-        per = -(-len(rest) // world)
-        padded = (rest * 2)[:per * world]
-        want0 = [fill(r_index[slot[p]], draws[r_index[slot[p]]] + r_draw[slot[p]]) for p in padded[rank::world]]
+        want = remixed_rank(names3, sizes, old_w, new_w, n, world=world, rank=rank, base=base, seed=5, epochs=3)
         got = by_epoch(after[rank])
-        assert got[0] == want0, f"rank {rank}: the rest of epoch 0"
+        assert got[0] == want[0], f"rank {rank}: the rest of epoch 0"
         for e in (1, 2):
-            pos = reference_ids(n, world, rank, shuffle=True, seed=5, drop_last=False, epoch=e)
-            want = [fill(f_index[p], after_rest[f_index[p]] + (e - 1) * f_index.count(f_index[p]) + f_draw[p])
-                    for p in pos]
-            assert got[e] == want, f"rank {rank}: epoch {e}"
+            assert got[e] == want[e], f"rank {rank}: epoch {e}"
         assert [s for _, s, _, _, _ in after[rank]][0] == cut   # steps go on from the cursor's
 
 

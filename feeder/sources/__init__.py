@@ -87,6 +87,30 @@ class Source(Protocol):
 
 
 @runtime_checkable
+class PerJob(Protocol):
+    """A source whose data a job fixes when it starts, not the feeder once (a Kafka topic: its
+    size is 0 until then). How a mixture (sources/mixture.py) takes one: a bounded topic as the
+    job's frozen epoch of it, a source of fixed size like any other; a tailed one only with
+    other tailed ones, record by record (`interleave`)."""
+
+    tailed: bool   # followed without end: no epoch to freeze
+
+    def epoch(self, spec: StreamSpec, pinned: str = "") -> tuple[str, Source]:
+        """(the text naming the job's epoch of it, that epoch as a source of fixed size); `pinned`
+        is that text from a cursor ("" for a job's first stream). May block (a snapshot is built)."""
+
+    def hold(self, job: str, epoch: str) -> object:
+        """Keep the job's epoch agreed while the returned token lives (a stream is open)."""
+
+    def release(self, job: str, token: object) -> None:
+        """The stream that held `token` closed."""
+
+    def interleave(self, names: tuple[str, ...], weights: tuple[float, ...], sources: list, spec: StreamSpec,
+                   cursor: Cursor | None) -> Plan:
+        """The plan of a mixture of the tailed `sources` (this one among them)."""
+
+
+@runtime_checkable
 class ChunkTable(Protocol):
     """A source whose tokens lie in chunks it can hand out (a PosixSource, the formats): the
     sources of a mixture that all are, are located as one table (feeder.sources.posix.locate_rows)."""
@@ -102,4 +126,4 @@ class ChunkTable(Protocol):
         """Tokens [start, start + len(out)) into out, across chunks."""
 
 
-__all__ = ["ChunkTable", "Plan", "Source", "Pending", "PlannedRun", "Start", "Rows"]
+__all__ = ["ChunkTable", "PerJob", "Plan", "Source", "Pending", "PlannedRun", "Start", "Rows"]

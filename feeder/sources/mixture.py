@@ -22,7 +22,7 @@ from feeder.cursor import Cursor, Mixture
 from feeder.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
 from feeder.planning import PENDING, PlannedRun, Start, StreamPlan
 from feeder.rows import Rows
-from feeder.sources import ChunkTable
+from feeder.sources import ChunkTable, PerJob
 from feeder.sources.posix import locate_rows
 
 
@@ -62,7 +62,11 @@ class Joined:
 
 
 class MixtureSource:
-    """The sources a mixture names, checked to fit together (one vocabulary, EOS and dtype)."""
+    """The sources a mixture names, as served here. Sources on files are checked to fit together
+    at once; a bounded Kafka topic's data is fixed only when a job starts (a `PerJob` source), so
+    a stream's plan first takes the job's epoch of each (its snapshot, built once), and the
+    blending starts from their sizes then. Tailed (follow-mode) topics are mixed only with each
+    other, record by record: their own plan (kafka/mixed.py)."""
 
     def __init__(self, mixture: tuple[tuple[str, float], ...], sources: dict):
         missing = [n for n, _ in mixture if n not in sources]
@@ -70,22 +74,78 @@ class MixtureSource:
             raise NotFound(f"mixture source {missing[0]!r} is not served here (served: {sorted(sources)})",
                            elsewhere=True)
         self.names = tuple(n for n, _ in mixture)
-        self.parts = [sources[n] for n in self.names]
+        self.served = [sources[n] for n in self.names]
         self.weights = mx.normalized([w for _, w in mixture])
+        self.name = "+".join(self.names)
+        tailed = [isinstance(p, PerJob) and p.tailed for p in self.served]
+        if any(tailed) and not all(tailed):
+            followed = self.names[tailed.index(True)]
+            fixed = self.names[tailed.index(False)]
+            raise FailedPrecondition(
+                f"mixture source {followed!r} is a followed Kafka topic (mode=follow) and {fixed!r} is not: a "
+                "followed topic is mixed only with other followed topics (record by record); bounded topics and "
+                "files are mixed with each other (by epoch positions)")
+        self.tailed = bool(tailed) and all(tailed)
+        # Without a source a job fixes, the parts are the same for every stream: checked now.
+        self.fixed = None if any(isinstance(p, PerJob) for p in self.served) else \
+            MixtureParts(self.names, self.weights, self.served, tuple(p.fingerprint for p in self.served))
+        # Info (a Source's): of the parts where they are fixed; else a job's plan has them (0: unknown yet)
+        info = self.fixed or self.served[0]
+        self.vocab_size, self.eos_id, self.dtype = info.vocab_size, info.eos_id, info.dtype
+        self.fingerprint = self.fixed.fingerprint if self.fixed else ""
+        self.n_tokens = self.fixed.n_tokens if self.fixed else 0
+        self.n_documents = self.fixed.n_documents if self.fixed else 0
+
+    def plan(self, spec: StreamSpec, cursor: Cursor | None):
+        """A stream's plan: its parts (each bounded topic's epoch for the job: the cursor's, or
+        the one agreed for the job), then the blending over their sizes. May block."""
+        if self.tailed:
+            return self.served[0].interleave(self.names, self.weights, self.served, spec, cursor)
+        if self.fixed is not None:
+            return self.fixed.plan(spec, cursor)
+        pinned = {}
+        if cursor is not None and type(cursor.src) is Mixture:
+            pinned = dict(zip(cursor.src.names, cursor.src.fingerprints))
+        parts, keys, held = [], [], []
+        try:
+            for name, src in zip(self.names, self.served):
+                if isinstance(src, PerJob):
+                    key, part = src.epoch(spec, pinned.get(name, ""))
+                    held.append((src, src.hold(spec.job, key)))
+                else:
+                    key, part = src.fingerprint, src
+                parts.append(part)
+                keys.append(key)
+            plan = MixtureParts(self.names, self.weights, parts, tuple(keys)).plan(spec, cursor)
+        except BaseException:
+            for src, token in held:
+                src.release(spec.job, token)
+            raise
+        plan.held = held
+        return plan
+
+    def close(self) -> None:
+        """The parts are the feeder's own sources: they close with it."""
+
+
+class MixtureParts:
+    """The sources of a mixture as one job reads them, checked to fit together (one vocabulary,
+    EOS and dtype). `keys` name each in a cursor: its fingerprint, or a Kafka epoch's ranges (what
+    rebuilds it anywhere); the mixture's fingerprint is of the parts' data."""
+
+    def __init__(self, names: tuple[str, ...], weights: tuple[float, ...], parts: list, keys: tuple[str, ...]):
+        self.names, self.weights, self.parts = names, weights, parts
         first = self.parts[0]
         for name, src in zip(self.names, self.parts):
-            if not src.n_tokens:
-                raise FailedPrecondition(f"mixture source {name!r} has no fixed size (a Kafka topic): mixtures "
-                                         "take sources on files")
             for what in ("vocab_size", "eos_id", "dtype"):
                 if getattr(src, what) != getattr(first, what):
                     raise FailedPrecondition(
                         f"mixture source {name!r} has {what} {getattr(src, what)}, but {self.names[0]!r} has "
                         f"{getattr(first, what)}: the sources of a mixture must share one "
                         f"{'token dtype' if what == 'dtype' else 'tokenizer'}")
-        self.fingerprints = tuple(p.fingerprint for p in self.parts)
+        self.fingerprints = keys
         self.fingerprint = "mix-" + hashlib.sha256(
-            "\0".join(f"{n}\0{f}" for n, f in zip(self.names, self.fingerprints)).encode()).hexdigest()[:32]
+            "\0".join(f"{n}\0{p.fingerprint}" for n, p in zip(self.names, self.parts)).encode()).hexdigest()[:32]
         self.name = "+".join(self.names)
         self.vocab_size, self.eos_id, self.dtype = first.vocab_size, first.eos_id, first.dtype
         self.n_tokens = sum(p.n_tokens for p in self.parts)
@@ -113,21 +173,21 @@ class MixtureSource:
                                f"feeder's sources {self.name!r} make {self.fingerprint}; refusing to serve other data")
         return MixturePlan(self, spec, cursor)
 
-    def close(self) -> None:
-        """The parts are the feeder's own sources: they close with it."""
-
 
 class MixturePlan:
     """One rank's stream over a mixture (a `Plan`)."""
 
     executor = None
-    bad_records = 0
     lag: dict = {}
+    held: list = []   # (source, token) of each bounded topic's epoch the stream keeps agreed
 
-    def __init__(self, src: MixtureSource, spec: StreamSpec, cursor: Cursor | None):
-        self.src, self.spec = src, spec
+    def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None):
         self.sizes = src.sizes(spec.seq_len)
         n = src.epoch_samples(spec)
+        spec = dataclasses.replace(spec, epoch_samples=n)
+        self.src, self.spec = src, spec
+        # records a bounded topic's epoch skipped (bad_records=skip), as a topic served alone says
+        self.bad_records = sum(getattr(p, "bad_records", 0) for p in src.parts)
         self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
         # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run
         # from epoch 0 draws.
@@ -236,7 +296,8 @@ class MixturePlan:
         return self.inner.cursor_template()
 
     def taken(self, step: int) -> None:
-        """Nothing to pass on: the sources are files."""
+        """Nothing to pass on: the parts are files (a bounded topic's epoch too)."""
 
     def close(self) -> None:
-        pass
+        for src, token in self.held:
+            src.release(self.spec.job, token)

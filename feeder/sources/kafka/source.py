@@ -110,15 +110,15 @@ class KafkaSource:
             if type(cursor.src) is not KafkaEpoch:
                 raise FailedPrecondition("cursor does not fit this stream: it is from a Kafka follow stream, and "
                                          f"this feeder serves topic {self.url.topic} bounded (mode=bounded)")
-            ranges = cursor.src.ranges
+            pinned = cursor.src.ranges
         elif spec.expected_fingerprint.startswith("kafka:"):
-            ranges = spec.expected_fingerprint
+            pinned = spec.expected_fingerprint
         elif spec.expected_fingerprint:
             raise WrongReplica(f"expected_fingerprint {spec.expected_fingerprint!r} is not a Kafka epoch; "
                                f"this feeder serves topic {self.url.topic} (Info gives its current epoch)")
-        else:  # agreed with every other feeder of the cluster (see register.py)
-            ranges = self._register.epoch(spec.job, self._ranges_now)
-        snap = self.snapshot(ranges, policy)
+        else:
+            pinned = ""
+        ranges, snap = self.epoch(spec, pinned)
         if cursor is not None and cursor.fingerprint != snap.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
@@ -128,6 +128,36 @@ class KafkaSource:
         plan.register = self._register
         self._register.hold(spec.job, plan)
         return plan
+
+    # -- as a part of a mixture (sources/mixture.py)
+    @property
+    def tailed(self) -> bool:
+        """Follow mode: no epoch to freeze, so mixed only with other tailed topics, record by record."""
+        return self.url.mode == "follow"
+
+    def epoch(self, spec: StreamSpec, pinned: str = ""):
+        """(ranges, snapshot) of the job's frozen epoch of this topic: the ranges `pinned` names
+        (a cursor's), else the ones agreed for the job with every other feeder of the cluster
+        (register.py). May block: the snapshot is built, or waited for, first."""
+        if self.tailed:
+            raise FailedPrecondition(f"topic {self.url.topic} is followed (mode=follow): it has no epoch to freeze")
+        ranges = pinned or self._register.epoch(spec.job, self._ranges_now)
+        return ranges, self.snapshot(ranges, spec.bad_records or self.url.bad_records)
+
+    def hold(self, job: str, ranges: str) -> object:
+        """Keep the job's register entry live while the returned token is (a mixture's plan holds it)."""
+        token = _Held(KafkaEpoch(ranges))
+        self._register.hold(job, token)
+        return token
+
+    def release(self, job: str, token: object) -> None:
+        self._register.release(job, token)
+
+    def interleave(self, names, weights, sources, spec: StreamSpec, cursor: Cursor | None):
+        """The plan of a follow-mode mixture of `sources` (tailed topics, this one among them): mixed.py."""
+        from feeder.sources.kafka.mixed import FollowMixPlan
+
+        return FollowMixPlan(names, weights, sources, spec, cursor)
 
     def subscribe(self, spec: StreamSpec, policy: str) -> Subscription:
         """A follow stream's reader: through this process's shared window of the topic (shared.py)."""
@@ -171,6 +201,13 @@ class KafkaSource:
             self._window.close()
         self._register.close()
         self._groups.close()
+
+
+class _Held:
+    """What the register sees of a mixture's stream: its epoch of this topic (plan.src, as a bounded plan's)."""
+
+    def __init__(self, src: KafkaEpoch):
+        self.src = src
 
 
 class _BoundedPlan(StreamPlan):

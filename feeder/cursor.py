@@ -7,7 +7,8 @@ verification; the fields then let the feeder say precisely which one does not ma
 
 The kind says what the source position (`Cursor.src`) is, beyond what the sampler derives
 from (epoch, base, pos, step): nothing for a dataset on disk, the frozen offset ranges of a
-Kafka job's epoch, or where a Kafka follow stream's interleave stands. Each is a typed value.
+Kafka job's epoch, where a Kafka follow stream's interleave stands, a mixture's blending and draw
+counters, or where each topic of a follow-mode mixture stands. Each is a typed value.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ except ImportError:  # no C compiler at install
 MAGIC = b"FC"
 # 2 added `src` (as text); 3 made it typed, by kind. Versions 1 and 2 are still accepted.
 VERSION = 3
-KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW, KIND_MIXTURE = 1, 2, 3, 4
+KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW, KIND_MIXTURE, KIND_KAFKA_FOLLOW_MIX = 1, 2, 3, 4, 5
 MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
 DEV_SECRET = b"feeder-development-secret-not-for-production"
@@ -76,6 +77,56 @@ class KafkaFollow:
         if cls._FIXED.size + 8 * p != len(b):
             raise struct.error(f"a follow position of {p} partitions has {len(b)} bytes")
         return cls(partitions=p, next=nxt, turn=turn, k=k, skip=skip, i=i)
+
+
+@dataclass(frozen=True)
+class KafkaFollowMix:
+    """Kafka follow, a mixture of topics: which topic fills each slot of the mixed interleave is
+    a pure function of the normalized weights and the slot (feeder.mixture.interleave), so the
+    position is where each topic's own interleave stands (a KafkaFollow whose k counts the
+    topic's records taken, and whose skip and i are 0), the slots taken (`k`: record k goes to
+    rank k mod W), and the rank's packing (skip, i) as in KafkaFollow."""
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    topics: tuple[KafkaFollow, ...]
+    k: int
+    skip: int
+    i: int
+
+    _TAIL = struct.Struct(">QQQ")
+
+    def __post_init__(self):
+        if not 0 < len(self.names) == len(self.weights) == len(self.topics) <= 32767 \
+                or not all(type(x) is int and 0 <= x < 1 << 64 for x in (self.k, self.skip, self.i)):
+            raise ValueError("a follow mixture's position needs a name, weight and topic position per topic")
+
+    def pack(self) -> bytes:
+        out = [struct.pack(">H", len(self.names))]
+        for name, w, t in zip(self.names, self.weights, self.topics):
+            nb, tb = name.encode(), t.pack()
+            out += [struct.pack(">H", len(nb)), nb, struct.pack(">dI", w, len(tb)), tb]
+        out.append(self._TAIL.pack(self.k, self.skip, self.i))
+        return b"".join(out)
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "KafkaFollowMix":
+        (n,), at = struct.unpack_from(">H", b), 2
+        names, weights, topics = [], [], []
+        for _ in range(n):
+            (ln,) = struct.unpack_from(">H", b, at)
+            names.append(b[at + 2:at + 2 + ln].decode())
+            at += 2 + ln
+            w, lt = struct.unpack_from(">dI", b, at)
+            at += 12
+            if at + lt > len(b):
+                raise struct.error("a topic's position runs past the cursor's end")
+            weights.append(w)
+            topics.append(KafkaFollow.unpack(b[at:at + lt]))
+            at += lt
+        k, skip, i = cls._TAIL.unpack_from(b, at)
+        if at + cls._TAIL.size != len(b):
+            raise struct.error(f"a follow mixture's position of {n} topics has {len(b)} bytes")
+        return cls(names=tuple(names), weights=tuple(weights), topics=tuple(topics), k=k, skip=skip, i=i)
 
 
 @dataclass(frozen=True)
@@ -140,9 +191,9 @@ class Mixture:
                    epoch_samples=n, ref_epoch=ref, mix_base=base, active=active)
 
 
-Position = KafkaEpoch | KafkaFollow | Mixture | None
+Position = KafkaEpoch | KafkaFollow | Mixture | KafkaFollowMix | None
 _KIND = {type(None): KIND_SAMPLED, KafkaEpoch: KIND_KAFKA_EPOCH, KafkaFollow: KIND_KAFKA_FOLLOW,
-         Mixture: KIND_MIXTURE}
+         Mixture: KIND_MIXTURE, KafkaFollowMix: KIND_KAFKA_FOLLOW_MIX}
 
 
 def _position_bytes(src: Position) -> bytes:
@@ -171,6 +222,8 @@ def _position(version: int, kind: int, raw: bytes) -> Position:
         return KafkaFollow.unpack(raw)
     if kind == KIND_MIXTURE:
         return Mixture.unpack(raw)
+    if kind == KIND_KAFKA_FOLLOW_MIX:
+        return KafkaFollowMix.unpack(raw)
     raise FailedPrecondition(f"cursor kind {kind} cannot resume this stream")
 
 
@@ -219,7 +272,7 @@ class Cursor:
             raise FailedPrecondition(
                 "cursor failed verification: it was altered, truncated, or issued by a feeder "
                 "with another cursor secret")
-        if body[3] not in (KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW, KIND_MIXTURE) or (data[2] < 3 and body[3] != 1):
+        if body[3] not in _KIND.values() or (data[2] < 3 and body[3] != 1):
             raise FailedPrecondition(f"cursor kind {body[3]} cannot resume this stream")
         try:
             at = 4

@@ -184,6 +184,16 @@ def counts_of(weights: tuple[float, ...], size: int) -> np.ndarray:
     return checkpoints(weights).counts(size)
 
 
+def interleave(weights: tuple[float, ...], start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(topic, its record) of slots [start, start + n) of a follow-mode mixture's record stream:
+    Megatron's blending rule over slots without end (slot k goes to the topic with the largest
+    w_d * max(k, 1) - count_d), the same rule an epoch's positions follow, the topic's record
+    being the next of its own round-robin interleave. A pure function of the weights and the
+    slot (each topic's count before every BLEND_EVERY-th slot is kept, as for a huge epoch), so
+    a stream resumed at any slot interleaves exactly as one that never stopped."""
+    return checkpoints(weights).at(np.arange(start, start + n, dtype=np.int64))
+
+
 def source_seed(seed: int, name: str) -> int:
     """The seed of a source's permutations: the job's seed moved by the source's name, so two
     sources of one size draw in different orders."""
@@ -332,5 +342,5 @@ def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffl
     return src, ids
 
 
-__all__ = ["normalized", "fills", "blend", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",
+__all__ = ["normalized", "fills", "blend", "interleave", "source_order", "source_seed", "offsets_at", "consumed", "sources_of", "sample_ids",
            "remixed"]

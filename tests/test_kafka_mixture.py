@@ -12,6 +12,7 @@ import itertools
 import random
 import signal
 
+import numpy as np
 import pytest
 
 from feeder.config import ServeConfig
@@ -19,8 +20,8 @@ from feeder.errors import Code, FeederError
 from feeder.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder_client import FeederDataset
-from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs
-from tests.mixture_oracle import Oracle, remixed_rank
+from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs, sample
+from tests.mixture_oracle import Oracle, megatron_blend, remixed_rank
 from tests.test_kafka import publish, topic_name
 
 pytestmark = pytest.mark.kafka
@@ -164,3 +165,84 @@ def test_bounded_topic_mixture_resumes_on_another_cache_and_remixes_exactly(kafk
                             seed=SEED, epochs=3)
         assert by_epoch(after[r]) == want, f"rank {r}"
         check_tokens(streams, names3, after[r])
+
+
+# -- follow mode: a weighted interleave of records ---------------------------------------------
+
+def follow_mixture_stream(docs_of, weights, world, r):
+    """Rank r's packed tokens of a follow-mode mixture, from the rules (docs/kafka.md): slot k is
+    filled by the topic Megatron's rule picks at k, with that topic's next document (published
+    round-robin, a topic's interleave is its documents in order), and goes to rank k mod world.
+    Only the slots before the first topic runs out are known."""
+    index, draw = megatron_blend(weights, sum(len(d) for d in docs_of))
+    mine = []
+    for k, (d, j) in enumerate(zip(index, draw)):
+        if j >= len(docs_of[d]):
+            break
+        if k % world == r:
+            mine.append(docs_of[d][j])
+    return byte_stream(mine)
+
+
+def check_follow_mixture(batches, stream, world, r):
+    for k, b in enumerate(b for bt in batches for b in zip(bt.sample_ids.tolist(), bt.tokens.numpy())):
+        gid, row = b
+        assert gid == k * world + r, (gid, k)
+        np.testing.assert_array_equal(row, sample(stream, k, SEQ))
+
+
+@pytest.fixture(scope="module")
+def followed(kafka_broker, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kmix-follow")
+    docs = {"fa": make_docs(200, seed=61), "fb": make_docs(120, seed=62)}
+    urls = {n: f"kafka://{kafka_broker}/{publish(kafka_broker, d, tmp, topic_name(f'kmixf-{n}'), partitions=p)}"
+                f"?mode=follow" for (n, d), p in zip(docs.items(), (3, 2))}
+    return docs, urls
+
+
+def test_follow_mode_mixture_replays_exactly_after_a_feeder_sigkill(followed):
+    """Two followed topics by weight, world 2: rank 1 through a feeder SIGKILLed mid-stream and
+    restarted, rank 0 resumed from a cursor on a fresh feeder; both exactly the interleave the
+    rules give. A cursor resumed under other weights is refused, naming both mixtures."""
+    docs, urls = followed
+    names, weights, world = ("fa", "fb"), (0.7, 0.3), 2
+    mix = dict(zip(names, weights))
+    streams = [follow_mixture_stream([docs[n] for n in names], weights, world, r) for r in range(world)]
+    total = [n_samples(len(s), SEQ) // MB for s in streams]
+    assert min(total) > 40
+    feeder = FeederProc(None, source=f"fa={urls['fa']}", extra=["--source", f"fb={urls['fb']}"])
+    try:
+        ds = rank([feeder.address], "fmix", world, 1, mix, num_epochs=0, read_ahead=1, retry_for_s=60)
+        it = iter(ds)
+        got = [next(it) for _ in range(15)]
+        feeder.signal(signal.SIGKILL)                      # the feeder dies mid-stream ...
+        feeder.start()                                     # ... and comes back on the same address
+        got += [next(it) for _ in range(total[1] - 15)]
+        assert ds.client.failovers >= 1
+        ds.client.close()
+    finally:
+        feeder.stop()
+    check_follow_mixture(got, streams[1], world, 1)
+    assert [b.step for b in got] == list(range(len(got)))
+    srcs = tuple(urls.items())
+    with ServerThread(ServeConfig(sources=srcs, listen="127.0.0.1:0")) as a:   # both ranks share its readers
+        both = [rank([a.address], "fmix0", world, r, mix, num_epochs=0, read_ahead=1) for r in range(world)]
+        its = [iter(d) for d in both]
+        head, again = [], []
+        for _ in range(10):
+            head.append(next(its[0]))
+            again.append(next(its[1]))
+        for d in both:
+            d.client.close()
+    check_follow_mixture(again, streams[1], world, 1)
+    with ServerThread(ServeConfig(sources=srcs, listen="127.0.0.1:0")) as b:
+        ds = rank([b.address], "fmix0", world, 0, mix, num_epochs=0, read_ahead=1, cursor=head[4].cursor)
+        it = iter(ds)
+        tail = [next(it) for _ in range(total[0] - 5)]
+        ds.client.close()
+        with pytest.raises(FeederError) as e:
+            next(iter(rank([b.address], "fmix0", world, 0, {"fa": 0.5, "fb": 0.5}, num_epochs=0, retry_for_s=3,
+                           cursor=head[4].cursor)))
+    check_follow_mixture(head[:5] + tail, streams[0], world, 0)
+    assert e.value.code == Code.FAILED_PRECONDITION, e.value
+    assert "mixture differs" in str(e.value) and "fa=0.7" in str(e.value) and "fa=0.5" in str(e.value)

@@ -30,6 +30,18 @@ def shown_mixture(names, weights) -> str:
     return ",".join(f"{n}={w:.6g}" for n, w in zip(names, weights))
 
 
+def check_fit(names, parts) -> None:
+    """The sources of a mixture share one vocabulary, EOS and token dtype, or it is refused."""
+    first = parts[0]
+    for name, src in zip(names, parts):
+        for what in ("vocab_size", "eos_id", "dtype"):
+            if getattr(src, what) != getattr(first, what):
+                raise FailedPrecondition(
+                    f"mixture source {name!r} has {what} {getattr(src, what)}, but {names[0]!r} has "
+                    f"{getattr(first, what)}: the sources of a mixture must share one "
+                    f"{'token dtype' if what == 'dtype' else 'tokenizer'}")
+
+
 class Joined:
     """The sources of a mixture as one chunk table, end to end (source d's token t is token
     base[d] + t here), so a block's rows from every source are located in one pass
@@ -135,14 +147,8 @@ class MixtureParts:
 
     def __init__(self, names: tuple[str, ...], weights: tuple[float, ...], parts: list, keys: tuple[str, ...]):
         self.names, self.weights, self.parts = names, weights, parts
+        check_fit(names, parts)
         first = self.parts[0]
-        for name, src in zip(self.names, self.parts):
-            for what in ("vocab_size", "eos_id", "dtype"):
-                if getattr(src, what) != getattr(first, what):
-                    raise FailedPrecondition(
-                        f"mixture source {name!r} has {what} {getattr(src, what)}, but {self.names[0]!r} has "
-                        f"{getattr(first, what)}: the sources of a mixture must share one "
-                        f"{'token dtype' if what == 'dtype' else 'tokenizer'}")
         self.fingerprints = keys
         self.fingerprint = "mix-" + hashlib.sha256(
             "\0".join(f"{n}\0{p.fingerprint}" for n, p in zip(self.names, self.parts)).encode()).hexdigest()[:32]

@@ -39,18 +39,23 @@ class FollowPlan:
 
     def __init__(self, src, spec: StreamSpec, cursor: Cursor | None, policy: str, *,
                  reader: FollowReader | None = None):
+        self._commit = src.commit_taken   # the job's consumer group, if it has one
+        self.topic = src.url.topic
+        self._open(spec, cursor, policy, reader if reader is not None else FollowReader.for_stream(src, spec, policy),
+                   dtype=src.dtype, fingerprint=f"kafka-follow:{self.topic}")
+
+    def _open(self, spec: StreamSpec, cursor: Cursor | None, policy: str, reader, *, dtype: np.dtype,
+              fingerprint: str) -> None:
+        """The stream's start, fresh or from `cursor` (shared with a mixture of topics: mixed.py)."""
         # Records are dealt in topic order: no permutation, so none to agree on.
         self.spec, self.policy = dataclasses.replace(spec, permutation=""), policy
-        self._commit = src.commit_taken   # the job's consumer group, if it has one
-        self.reader = reader if reader is not None else FollowReader.for_stream(src, spec, policy)
-        self.topic, self.dtype = src.url.topic, src.dtype
-        self.fingerprint = f"kafka-follow:{self.topic}"
+        self.reader, self.dtype, self.fingerprint = reader, dtype, fingerprint
         self.n = 0
         # step -> offsets fully consumed once the batch of that step is taken (for group commits)
         self.offsets_after: deque[tuple[int, list[int]]] = deque(maxlen=4096)
         self.parts = self.reader.parts
         if cursor is None:
-            self.state = FollowState(next=self.reader.first_offsets())
+            self.state = self._fresh()
             self.i, skip, step = 0, 0, 0
         else:
             self.state, self.i, skip = self._resume(cursor)
@@ -59,6 +64,10 @@ class FollowPlan:
         self._skip = skip
         self._step = step
 
+    def _fresh(self) -> FollowState:
+        """Where a stream without a cursor starts: each partition's low watermark."""
+        return FollowState(next=self.reader.first_offsets())
+
     def _resume(self, cursor: Cursor) -> tuple[FollowState, int, int]:
         """(interleave state, sample index, tokens to skip) of a cursor that fits this stream."""
         spec = self.spec
@@ -66,13 +75,20 @@ class FollowPlan:
         wrong = cursor_mismatch(cursor, spec, self.fingerprint, fields=("fingerprint", "job", *DEAL, "seq_len"))
         if wrong is not None:
             raise wrong
-        pos = cursor.src
+        return self._from_position(cursor.src)
+
+    def _from_position(self, pos) -> tuple[FollowState, int, int]:
         if type(pos) is not KafkaFollow:
             raise FailedPrecondition("cursor does not fit this stream: it is not from a Kafka follow stream")
         if pos.partitions != len(self.parts):
             raise FailedPrecondition(f"topic {self.topic} had {pos.partitions} partitions when this cursor was made "
                                      f"and has {len(self.parts)} now; a follow stream needs a fixed partition count")
         return FollowState(next=list(pos.next), turn=pos.turn, k=pos.k), pos.i, pos.skip
+
+    def _position(self, state: FollowState, skip: int, i: int) -> KafkaFollow:
+        """The cursor's source position: `state` before the record the next sample starts in."""
+        return KafkaFollow(partitions=len(self.parts), next=tuple(state.next), turn=state.turn, k=state.k, skip=skip,
+                           i=i)
 
     # -- the reader's, for the pipeline (stream.RankStream) and metrics
     @property
@@ -129,11 +145,13 @@ class FollowPlan:
 
     def _cursor(self, state: FollowState, skip: int, i: int, step: int) -> Cursor:
         s = self.spec
-        src = KafkaFollow(partitions=len(self.parts), next=tuple(state.next), turn=state.turn, k=state.k, skip=skip,
-                          i=i)
         return Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=False, drop_last=s.drop_last,
                       seq_len=s.seq_len, world_size=s.world_size, rank=s.rank, epoch=s.epoch, base=0, pos=i,
-                      step=step, src=src)
+                      step=step, src=self._position(state, skip, i))
+
+    def _passed(self, step: int, state: FollowState) -> None:
+        """Once the batch of `step` is taken, the records before `state` are (for group commits)."""
+        self.offsets_after.append((step, list(state.next)))
 
     def batches(self) -> Iterator[PlannedBatch | None]:
         """This rank's batches (tokens included), each with the cursor after it; None whenever
@@ -173,7 +191,7 @@ class FollowPlan:
                     mark = marks[0]
                     ids = np.arange(i - mb, i, dtype=np.int64) * W + r
                     cursor = self._cursor(mark.state, nxt - mark.at, i, step + 1)
-                    self.offsets_after.append((step, list(mark.state.next)))
+                    self._passed(step, mark.state)
                     yield PlannedBatch(epoch=s.epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=0,
                                        tokens=np.stack(rows))
                     rows, step = [], step + 1

@@ -71,12 +71,14 @@ class FollowReader(BrokerWatch):
     one-thread executor that the pipeline runs the stream on, since consume() blocks."""
 
     def __init__(self, url: KafkaURL, *, dtype: np.dtype, vocab_size: int, eos_id: int, policy: str,
-                 job: str, rank: int, world_size: int):
+                 job: str, rank: int, world_size: int, want=None):
         from confluent_kafka import Consumer
 
         self.url, self.policy = url, policy
         self.dtype, self.vocab_size, self.eos_id = dtype, vocab_size, eos_id
         self.job, self.rank, self.world_size = job, rank, world_size
+        # which records (by k) are the rank's, decoded: record k mod W, or a mixture's choice (mixed.py)
+        self.want = want or (lambda k: k % world_size == rank)
         self.bad_records = 0                  # skipped under bad_records=skip
         self.lag: dict[int, int] = {}         # partition -> records between this reader and the end
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kafka-follow-r{rank}")
@@ -119,7 +121,7 @@ class FollowReader(BrokerWatch):
     def _interleave(self, c, st: FollowState):
         from confluent_kafka import TopicPartition
 
-        P, W, r = len(self.parts), self.world_size, self.rank
+        P, want = len(self.parts), self.want
         queues: list[deque] = [deque() for _ in range(P)]
         paused: set[int] = set()
         while not self._closed.is_set():
@@ -139,7 +141,7 @@ class FollowReader(BrokerWatch):
             st.next[j] = m.offset() + 1
             st.turn = (j + 1) % P
             st.k += 1
-            yield before, (self._tokens(m) if before.k % W == r else None)
+            yield before, (self._tokens(m) if want(before.k) else None)
 
     def _fill(self, c, st: FollowState, queues: list[deque], paused: set[int]) -> bool:
         """One consume() into the partitions' queues; False when the reader was closed meanwhile."""

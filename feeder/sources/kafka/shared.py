@@ -142,10 +142,10 @@ class FollowWindow(BrokerWatch):
                     self.dropped += 1
                     return None
                 end = self._base + len(self._entries)
-                g = sub.pos + (sub.rank - sub.pos - sub.kofs) % sub.world
+                g = sub.pos + (sub.take_rank - sub.pos - sub.kofs) % sub.take_every
                 if g < end:
-                    out = [(i, self._entries[i - self._base]) for i in range(g, min(end, g + TAKE * sub.world),
-                                                                             sub.world)]
+                    out = [(i, self._entries[i - self._base]) for i in range(g, min(end, g + TAKE * sub.take_every),
+                                                                             sub.take_every)]
                     sub.pos = out[-1][0] + 1
                     return out
                 if attempt == 0:
@@ -324,9 +324,14 @@ class Subscription:
     cannot share."""
 
     def __init__(self, window: FollowWindow, *, policy: str, job: str, rank: int, world_size: int,
-                 low_watermarks):
+                 low_watermarks, want=None):
         self.window, self.policy = window, policy
         self.job, self.rank, self.world = job, rank, world_size
+        # Which records it takes from the window: its own, every W-th; or, in a mixture of topics
+        # (mixed.py), every record, decoding those `want(k)` says the rank gets (asked as each is
+        # taken: which slot of the mixture a record fills is known only then).
+        self.want = want
+        self.take_rank, self.take_every = (0, 1) if want else (rank, world_size)
         self.parts = window.parts
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kafka-follow-r{rank}")
         self.pos = self.kofs = 0          # window index of the next record to look at; k = index + kofs
@@ -389,7 +394,7 @@ class Subscription:
                 continue
             for g, e in got:
                 before = FollowState(list(e.before.next), e.before.turn, g + self.kofs)
-                tokens = self._tokens(e)
+                tokens = self._tokens(e) if self.want is None or self.want(before.k) else None
                 # st: the state after this record, where this stream reads on its own from if it must
                 st.next[:] = before.next
                 st.next[e.before.turn] = e.offset + 1
@@ -403,7 +408,7 @@ class Subscription:
         log.info("kafka %s: job %s rank %d reads on its own from %s (not in the shared window)",
                  w.url.topic, self.job, self.rank, st.next)
         reader = FollowReader(w.url, dtype=w.dtype, vocab_size=w.vocab_size, eos_id=w.eos_id, policy=self.policy,
-                              job=self.job, rank=self.rank, world_size=self.world)
+                              job=self.job, rank=self.rank, world_size=self.world, want=self.want)
         self._solo = reader
         items = reader.records(st)   # st advances in place
         n = 0

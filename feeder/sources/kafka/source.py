@@ -159,7 +159,7 @@ class KafkaSource:
 
         return FollowMixPlan(names, weights, sources, spec, cursor)
 
-    def subscribe(self, spec: StreamSpec, policy: str) -> Subscription:
+    def subscribe(self, spec: StreamSpec, policy: str, want=None) -> Subscription:
         """A follow stream's reader: through this process's shared window of the topic (shared.py)."""
         c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
         with self._meta_lock:
@@ -171,7 +171,7 @@ class KafkaSource:
                 w = self._window = FollowWindow(self.url, parts, dtype=self.dtype, vocab_size=self.vocab_size,
                                                 eos_id=self.eos_id)
         return Subscription(w, policy=policy, job=spec.job, rank=spec.rank, world_size=spec.world_size,
-                            low_watermarks=lambda: self._low_watermarks(parts))
+                            low_watermarks=lambda: self._low_watermarks(parts), want=want)
 
     def _low_watermarks(self, parts: list[int]) -> list[int]:
         """Each partition's low watermark: where a follow stream without a cursor starts."""

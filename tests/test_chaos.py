@@ -5,7 +5,8 @@ through a proxy, a corrupt replica, a superseding stream, a trainer restart from
 a world-size change, a new DataLoader pass, a rank disagreeing with its job) and every worker
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
 spread over feeders, finite and unbounded streams, one dataset and mixtures of several, torch's
-order and the stateless one. Each scenario is a few seconds.
+order and the stateless one, sources on files and on bounded Kafka topics (mixed with files). Each
+scenario is a few seconds.
 
 The regression tests replay seeds that found a bug on the code before the fixes of audit
 findings 1-4 (1be1a8d); `python -m tests.chaos --seed N` replays one by hand and keeps the work
@@ -22,8 +23,11 @@ pytestmark = pytest.mark.fault
 COVERAGE = [2544, 241, 411, 2360, 671, 248, 569, 47, 467]
 
 
-def _run(seed: int):
-    res = run_scenario(Scenario.from_seed(seed))
+def _run(seed: int, request=None):
+    sc = Scenario.from_seed(seed)
+    if sc.kafka:   # its sources on topics need the broker
+        request.getfixturevalue("kafka_broker")
+    res = run_scenario(sc)
     assert res.ok, (f"seed {seed} failed (replay: python -m tests.chaos --seed {seed}; work dir {res.workdir}): "
                     f"{res.scenario.describe()}\n" + "\n".join(res.errors[:5]))
     assert res.samples > 0
@@ -42,6 +46,22 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
     assert any(sc.processes > 1 for sc in scs) and any(sc.num_epochs == 0 for sc in scs)
     assert any(sc.mixture for sc in scs) and any(not sc.mixture for sc in scs)   # mixtures too (issue 18)
     assert {sc.permutation for sc in scs} == {"torch", "stateless"}              # both orders (issue 25)
+    assert any(sc.kafka and sc.mixture for sc in scs)          # a mixture of a topic and files (issue 26)
+
+
+def test_kafka_scenarios_are_mixtures_for_a_share_of_them():
+    """The generator puts a share of its scenarios on Kafka topics, and a share of those are
+    mixtures: of topics alone, and of topics and files."""
+    from tests.chaos.scenario import KAFKA_SHARE, MIXTURE_SHARE
+
+    scs = [Scenario.from_seed(s) for s in range(3000)]
+    kafka = [sc for sc in scs if sc.kafka]
+    assert abs(len(kafka) / len(scs) - KAFKA_SHARE) < 0.03
+    mixed = [sc for sc in kafka if sc.mixture]
+    assert abs(len(mixed) / len(kafka) - MIXTURE_SHARE) < 0.08
+    assert any(len(sc.kafka) == len(sc.mixture) for sc in mixed)      # every source on a topic
+    assert any(len(sc.kafka) < len(sc.mixture) for sc in mixed)       # topics and files
+    assert not any(0 in sc.kafka and any(f.kind == "corrupt" for f in sc.faults) for sc in kafka)
 
 
 def test_regression_seeds_are_pinned_to_the_scenarios_that_failed():
@@ -60,8 +80,15 @@ def test_a_seed_alone_replays_the_same_scenario():
 
 
 @pytest.mark.parametrize("seed", COVERAGE)
-def test_chaos_seed(seed):
-    _run(seed)
+def test_chaos_seed(seed, request):
+    _run(seed, request)
+
+
+def test_chaos_kafka_mixture_with_a_sigkill_and_a_trainer_restart(request):
+    """A mixture of a bounded topic and a file source on 3 feeders of one region: one feeder
+    SIGKILLed and restarted, the trainer restarted from its checkpoint."""
+    assert Scenario.from_seed(2970).kafka == (0,) and Scenario.from_seed(2970).mixture
+    _run(2970, request)
 
 
 # Seeds that failed on 1be1a8d (before the fixes of audit findings 1-4), named by what broke;

@@ -61,6 +61,36 @@ def corpus(root: Path, n_docs: int) -> Corpus:
     return _CORPORA[key]
 
 
+KAFKA_PARTITIONS = 3
+_TOPICS: dict[tuple[str, int], Corpus] = {}
+
+
+def kafka_corpus(root: Path, n_docs: int) -> Corpus:
+    """The corpus of n_docs documents published to a bounded Kafka topic (one per size and
+    process, named afresh so no earlier run's epoch is agreed for its jobs): `dataset` is its
+    URL, `stream` the packed stream of its epoch, documents in (partition, offset) order."""
+    import uuid
+
+    key = (str(root), n_docs)
+    if key not in _TOPICS:
+        from tests.helpers import write_jsonl
+
+        docs = make_docs(n_docs, seed=n_docs, max_words=40)
+        bootstrap = f"127.0.0.1:{os.environ.get('FEEDER_KAFKA_PORT', 9092)}"
+        topic = f"chaos-{n_docs}-{uuid.uuid4().hex[:8]}"
+        root.mkdir(parents=True, exist_ok=True)
+        src = write_jsonl(root / f"{topic}.jsonl", docs)
+        r = subprocess.run([sys.executable, "-m", "feeder.cli", "publish", str(src), "--to",
+                            f"kafka://{bootstrap}/{topic}", "--partitions", str(KAFKA_PARTITIONS), "--workers", "1"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"publishing the Kafka corpus failed (is the broker up? make kafka): {r.stderr}")
+        P = KAFKA_PARTITIONS   # publish writes document i to partition i mod P
+        ordered = [docs[i] for p in range(P) for i in range(p, n_docs, P)]
+        _TOPICS[key] = Corpus(f"kafka://{bootstrap}/{topic}", byte_stream(ordered))
+    return _TOPICS[key]
+
+
 def corrupt_copy(dataset: Path, out: Path, rng: random.Random) -> str:
     """A replica with one token byte flipped in one chunk (same manifest, same fingerprint):
     the feeder finds it by the chunk's sha256 and answers DATA_LOSS for it."""
@@ -325,12 +355,13 @@ class ScenarioRun:
     def __init__(self, sc: Scenario, workdir: Path, cache: Path):
         self.sc, self.dir = sc, workdir
         self.rng = random.Random(f"run-{sc.seed}")
-        self.corpus = corpus(cache, sc.n_docs)
+        # (sc.kafka names the sources on a topic: the corpus, 0, when there is no mixture)
+        self.corpus = (kafka_corpus if not sc.mixture and 0 in sc.kafka else corpus)(cache, sc.n_docs)
         from feeder.sampler import n_samples
 
         self.n = n_samples(len(self.corpus.stream), sc.seq_len)
         # A mixture: a corpus per source, and an epoch of all their samples (the default epoch_samples)
-        self.sources = [corpus(cache, d) for _, _, d in sc.mixture]
+        self.sources = [(kafka_corpus if i in sc.kafka else corpus)(cache, d) for i, (_, _, d) in enumerate(sc.mixture)]
         if sc.mixture:
             self.n = sum(n_samples(len(c.stream), sc.seq_len) for c in self.sources)
         self.errors: list[str] = []
@@ -644,6 +675,8 @@ class ScenarioRun:
                 corrupt_t = 0   # the replica every rank tries first
         args = ["--message-bytes", str(sc.message_bytes), "--prefetch-messages", str(sc.prefetch_messages),
                 "--threads", "2"]
+        if sc.kafka:   # the feeders of the scenario are one region: a Kafka epoch's snapshot is built once
+            args += ["--cache-dir", str(self.dir / "cache")]
         for t in range(sc.targets):
             src = self.corpus.dataset if not sc.mixture else self.sources[0].dataset
             if t == corrupt_t:   # (a mixture's first source)

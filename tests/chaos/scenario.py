@@ -17,6 +17,10 @@ FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
 MIXTURE_SHARE = 0.3
 # The share that ask for the stateless order (issue 25) instead of torch's.
 STATELESS_SHARE = 0.3
+# The share that serve their corpus, or some of a mixture's, from bounded Kafka topics (issue
+# 26): a Kafka scenario is a mixture as often as any other (MIXTURE_SHARE), of topics alone or of
+# topics and files. They need the broker (`make kafka`).
+KAFKA_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class Scenario:
     mixture: tuple[tuple[str, float, int], ...] = ()
     # The epoch's order (issue 25): torch's randperm, or the stateless bijection.
     permutation: str = "torch"
+    # The sources served from a bounded Kafka topic (its documents published to 3 partitions), by
+    # index: the corpus (0) or a mixture's sources; () = all on files.
+    kafka: tuple[int, ...] = ()
 
     @property
     def job(self) -> str:
@@ -85,7 +92,8 @@ class Scenario:
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
                 + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else "")
-                + (f" permutation={self.permutation}" if self.permutation != "torch" else ""))
+                + (f" permutation={self.permutation}" if self.permutation != "torch" else "")
+                + (f" kafka={','.join(map(str, self.kafka))}" if self.kafka else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -174,9 +182,14 @@ class Scenario:
             mixture = tuple((f"s{i}", rng.choice((0.1, 0.3, 1.0, 2.0, 5.0)), rng.choice((20, 60, n_docs)))
                             for i in range(k))
         permutation = "stateless" if rng.random() < STATELESS_SHARE else "torch"   # (last of all, likewise)
+        kafka: tuple[int, ...] = ()   # (after it, likewise)
+        if not large and rng.random() < KAFKA_SHARE:
+            # The corrupt fault flips a byte of the first source's files: that one stays on files.
+            can = [i for i in range(len(mixture) or 1) if not (i == 0 and any(f.kind == "corrupt" for f in faults))]
+            kafka = tuple(i for j, i in enumerate(can) if j == 0 or rng.random() < 0.5)
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
-                        mixture=mixture, permutation=permutation)
+                        mixture=mixture, permutation=permutation, kafka=kafka)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

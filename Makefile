@@ -51,7 +51,7 @@ bench: env
 # `python -m tests.chaos --seed N`.
 SEEDS ?= 50
 JOBS ?= 3
-soak: env toxiproxy
+soak: env toxiproxy kafka
 	$(PY) -m tests.chaos --seeds $(SEEDS) $(if $(START),--start $(START)) --jobs $(JOBS) --json bench/soak.json
 
 # A single-node Apache Kafka broker (KRaft) on 127.0.0.1:9092, fetched from Maven Central.

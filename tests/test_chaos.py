@@ -79,11 +79,13 @@ def test_a_seed_alone_replays_the_same_scenario():
     assert len({Scenario.from_seed(s).describe() for s in range(50)}) == 50
 
 
-@pytest.mark.parametrize("seed", COVERAGE)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.kafka) if Scenario.from_seed(s).kafka else s
+                                  for s in COVERAGE])
 def test_chaos_seed(seed, request):
     _run(seed, request)
 
 
+@pytest.mark.kafka
 def test_chaos_kafka_mixture_with_a_sigkill_and_a_trainer_restart(request):
     """A mixture of a bounded topic and a file source on 3 feeders of one region: one feeder
     SIGKILLed and restarted, the trainer restarted from its checkpoint."""

@@ -28,6 +28,10 @@ follow: the topic is tailed without end (reader.py reads, follow.py plans). Reco
     (shared.py): records are fetched and decoded once, into a window bounded by window_bytes; a
     stream that falls out of it reads on its own (reader.py) until it is back in it.
 
+mixtures: bounded topics mix as any source of fixed size does (sources/mixture.py takes each as
+    the job's epoch of it); followed topics mix with each other by a weighted interleave of records
+    (mixed.py: slot k's topic by Megatron's blending rule, a pure function of the weights and k).
+
 Offsets are owned by the cursor: explicit assign(), no auto-commit, read_committed (consumer.py).
 source.py holds KafkaSource, which puts these together.
 """

@@ -243,6 +243,9 @@ def test_follow_mode_mixture_replays_exactly_after_a_feeder_sigkill(followed):
         with pytest.raises(FeederError) as e:
             next(iter(rank([b.address], "fmix0", world, 0, {"fa": 0.5, "fb": 0.5}, num_epochs=0, retry_for_s=3,
                            cursor=head[4].cursor)))
+        with pytest.raises(FeederError) as e2:
+            next(iter(rank([b.address], "fmix2", world, 0, mix, num_epochs=0, retry_for_s=3, epoch_samples=100)))
+    assert e2.value.code == Code.INVALID_ARGUMENT and "epoch_samples (100) has no meaning" in str(e2.value)
     check_follow_mixture(head[:5] + tail, streams[0], world, 0)
     assert e.value.code == Code.FAILED_PRECONDITION, e.value
     assert "mixture differs" in str(e.value) and "fa=0.7" in str(e.value) and "fa=0.5" in str(e.value)

@@ -113,6 +113,20 @@ def test_blending_is_megatrons_bit_for_bit():
         mx._native_blend, mx._BLEND_CACHE = saved, type(mx._BLEND_CACHE)()
 
 
+def test_follow_mode_interleave_is_megatrons_rule_from_any_slot():
+    """A follow-mode mixture of topics (issue 26): slot k's topic, and which of its records fills
+    it, are Megatron's blending rule run on without end, the same from whatever slot a stream
+    resumes at (a pure function of the weights and the slot)."""
+    from feeder import mixture as mx
+
+    rng = random.Random(2)
+    for weights in ([0.7, 0.3], [1, 2, 3], [3, 0, 1], [1e-3, 1, 5]):
+        index, draw = megatron_blend(weights, 6000)
+        for start in [0, 1, *rng.sample(range(5500), 5)]:
+            src, k = mx.interleave(mx.normalized(weights), start, 500)
+            assert (src.tolist(), k.tolist()) == (index[start:start + 500], draw[start:start + 500]), (weights, start)
+
+
 def test_draws_spanning_many_permutations_are_each_permutations_own():
     """A small source upsampled in a large epoch spans thousands of its permutations in one fill
     (the outside review: a one-sample source at weight 0.5 took 92 s to a first batch over 10^6

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from feeder import cursor as cursor_mod
 from feeder import sampler
 from feeder.config import StreamSpec
-from feeder.cursor import Cursor, CursorWriter, KafkaEpoch, KafkaFollow
+from feeder.cursor import Cursor, CursorWriter, KafkaEpoch, KafkaFollow, KafkaFollowMix
 from feeder.errors import FailedPrecondition, InvalidArgument
 from feeder.pipeline.plan import StreamPlan
 from tests.helpers import reference_ids
@@ -238,7 +238,13 @@ def positions(text):
     follow = st.integers(0, 40).flatmap(lambda p: st.builds(
         KafkaFollow, partitions=st.just(p), next=st.tuples(*[u64] * p), turn=st.integers(0, max(p, 1) - 1), k=u64,
         skip=u64, i=u64))
-    return st.one_of(st.none(), st.builds(KafkaEpoch, text), follow)
+    topic = st.integers(0, 4).flatmap(lambda p: st.builds(
+        KafkaFollow, partitions=st.just(p), next=st.tuples(*[u64] * p), turn=st.integers(0, max(p, 1) - 1), k=u64,
+        skip=st.just(0), i=st.just(0)))
+    follow_mix = st.integers(1, 3).flatmap(lambda n: st.builds(
+        KafkaFollowMix, names=st.tuples(*[text] * n), weights=st.tuples(*[st.floats(0, 1)] * n),
+        topics=st.tuples(*[topic] * n), k=u64, skip=u64, i=u64))
+    return st.one_of(st.none(), st.builds(KafkaEpoch, text), follow, follow_mix)
 
 
 secrets_ = st.one_of(st.just(b""), st.binary(min_size=1, max_size=100))   # b"": the dev secret

@@ -18,7 +18,6 @@ are decoded (`MixedReader.want`, asked as each record is taken).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from feeder import mixture as mx
 from feeder import sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, KafkaFollow, KafkaFollowMix
-from feeder.errors import FailedPrecondition
+from feeder.errors import FailedPrecondition, InvalidArgument
 from feeder.sources.kafka.follow import FollowPlan
 from feeder.sources.kafka.reader import FollowState
 from feeder.sources.mixture import check_fit, shown_mixture
@@ -131,6 +130,9 @@ class FollowMixPlan(FollowPlan):
         if spec.remix or spec.reshard:
             raise FailedPrecondition("a Kafka follow-mode mixture is not remixed or re-dealt: resume it with the "
                                      "mixture and world size of its cursor (a new mixture starts a new job)")
+        if spec.epoch_samples:
+            raise InvalidArgument(f"epoch_samples ({spec.epoch_samples}) has no meaning for a mixture of followed Kafka "
+                                  "topics: its stream has no epochs; leave it 0")
         check_fit(names, sources)
         self.names, self.weights = names, weights
         self.topics = tuple(src.url.topic for src in sources)
@@ -143,7 +145,6 @@ class FollowMixPlan(FollowPlan):
         except BaseException:
             reader.close()
             raise
-        self.spec = dataclasses.replace(self.spec, epoch_samples=0)
 
     def _fresh(self) -> MixState:
         return self.reader.first()

@@ -237,6 +237,41 @@ def follow_plan(parts, rank, world, cursor=None, seq_len=5, mb=2):
     return FollowPlan(_Src(), spec, cursor, "fail", reader=reader), reader
 
 
+class ScriptedTopic(ScriptedReader):
+    """A topic of a follow-mode mixture as a Subscription taking every record gives it: the state
+    it starts at first, then every record, decoded only where `want(k)` says (noted in `decoded`)."""
+
+    def __init__(self, parts, want):
+        super().__init__(parts, 0, 1, eos=99)
+        self.want, self.decoded = want, []
+
+    def records(self, st: FollowState):
+        yield st.copy(), None
+        for item in ScriptedReader.records(self, st):   # (world 1: every record read)
+            if item is None:
+                break
+            before, tokens = item
+            if self.want(before.k):
+                self.decoded.append(before.k)
+                yield before, tokens
+            else:
+                yield before, None
+        while True:   # the tail is reached: a real subscription waits for more
+            yield None
+
+
+class _Topic:
+    """A followed KafkaSource as a follow-mode mixture uses it."""
+    dtype, vocab_size, eos_id = U16, 100, 99
+
+    def __init__(self, name, parts):
+        self.url, self.parts, self.subs = KafkaURL(bootstrap="h:1", topic=name, mode="follow"), parts, []
+
+    def subscribe(self, spec, policy, want=None):
+        self.subs.append(ScriptedTopic(self.parts, want))
+        return self.subs[-1]
+
+
 def taken(plan):
     out = []
     for b in plan.batches():
@@ -382,3 +417,53 @@ def test_follow_window_deals_every_wth_record_drops_over_budget_and_a_dropped_st
     assert w.join(late, FollowState(next=list(tail.next), turn=tail.turn, k=tail.k))
     produce(1)
     assert [(g % 2, e.partition) for g, e in w.take(late, wait_s=0)] == [(1, 1)]
+
+
+def test_follow_mixture_interleaves_by_megatrons_rule_decodes_only_its_slots_and_resumes_from_every_cursor():
+    """A follow-mode mixture without a broker (sources/kafka/mixed.py): slot k is the next record
+    of the topic Megatron's rule picks at k, slot k is rank k mod W's, packed as one topic's
+    records are; a rank decodes only its own slots' records; every cursor resumes exactly."""
+    from feeder import mixture as mx
+    from feeder.sources.kafka.mixed import FollowMixPlan
+    from tests.mixture_oracle import megatron_blend
+
+    rng = np.random.default_rng(4)
+    docs = {n: [[rng.integers(0, 90, rng.integers(0, 9)).tolist() for _ in range(12)] for _ in range(p)]
+            for n, p in (("a", 3), ("b", 2))}
+    order = {n: [parts[k % len(parts)][k // len(parts)] for k in range(12 * len(parts))] for n, parts in docs.items()}
+    names, weights, world = ("a", "b"), mx.normalized([0.6, 0.4]), 2
+    index, draw = megatron_blend(weights, 60)
+    slots = [order[names[d]][j] for d, j in zip(index, draw)]   # (both topics last past slot 60)
+
+    def plan(rank, cursor=None):
+        topics = [_Topic(n, docs[n]) for n in names]
+        spec = StreamSpec(job="j", rank=rank, world_size=world, seq_len=5, micro_batch=2, num_epochs=0,
+                          mixture=tuple(zip(names, weights)))
+        return FollowMixPlan(names, weights, topics, spec, cursor), topics
+
+    for rank in range(world):
+        p, topics = plan(rank)
+        batches = taken(p)
+        assert len(batches) >= 3
+        stream = np.concatenate([np.array([*d, 99]) for d in slots[rank::world]])
+        for n, b in enumerate(batches):
+            assert b.step == n and b.ids.tolist() == [(2 * n + j) * world + rank for j in range(2)]
+            for j, row in enumerate(b.tokens):
+                i = 2 * n + j
+                assert row.tolist() == stream[i * 5:i * 5 + 6].tolist()
+        # each topic decoded exactly the records that filled this rank's slots (as far as it read)
+        for d, t in enumerate(topics):
+            mine = [j for k, (dd, j) in enumerate(zip(index, draw)) if dd == d and k % world == rank]
+            assert t.subs[0].decoded == mine[:len(t.subs[0].decoded)] and t.subs[0].decoded
+        for n, b in enumerate(batches):
+            again, _ = plan(rank, cursor=b.cursor)
+            rest = taken(again)
+            assert [r.tokens.tolist() for r in rest] == [r.tokens.tolist() for r in batches[n + 1:]], n
+            assert [r.cursor for r in rest] == [r.cursor for r in batches[n + 1:]]
+    wrong = dataclasses.replace(batches[0].cursor, src=dataclasses.replace(batches[0].cursor.src, weights=(0.5, 0.5)))
+    with pytest.raises(FailedPrecondition, match="mixture differs"):
+        plan(1, cursor=wrong)
+    spec = StreamSpec(job="j", rank=0, world_size=world, seq_len=5, micro_batch=2, num_epochs=0, remix=True,
+                      mixture=tuple(zip(names, weights)))
+    with pytest.raises(FailedPrecondition, match="follow-mode mixture is not remixed or re-dealt"):
+        FollowMixPlan(names, weights, [_Topic(n, docs[n]) for n in names], spec, batches[0].cursor)

@@ -133,7 +133,8 @@ class KafkaFollowMix:
 class Mixture:
     """A mixture of sources: what decides which source fills each position and which of its
     samples (feeder.mixture has the rules). Per source, in the mixture's order: its name, its
-    data's fingerprint, its normalized weight, and its draws made before epoch `ref_epoch`
+    data's fingerprint (a bounded Kafka topic's: the offset ranges of the job's epoch of it, which
+    rebuild that epoch on any feeder), its normalized weight, and its draws made before epoch `ref_epoch`
     (the draw counters, which run on across epochs and mixture changes). In `ref_epoch` the
     blending starts at `mix_base` of the epoch's global order (> 0 after a mid-epoch remix).
     The first `active` sources are the mixture (0: all); those after it were dropped by a remix

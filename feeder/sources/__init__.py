@@ -96,8 +96,9 @@ class PerJob(Protocol):
     tailed: bool   # followed without end: no epoch to freeze
 
     def epoch(self, spec: StreamSpec, pinned: str = "") -> tuple[str, Source]:
-        """(the text naming the job's epoch of it, that epoch as a source of fixed size); `pinned`
-        is that text from a cursor ("" for a job's first stream). May block (a snapshot is built)."""
+        """(the text naming the job's epoch of it, that epoch as a source of fixed size, with
+        `bad_records`: the records it skipped); `pinned` is that text from a cursor ("" for a
+        job's first stream). May block (a snapshot is built)."""
 
     def hold(self, job: str, epoch: str) -> object:
         """Keep the job's epoch agreed while the returned token lives (a stream is open)."""

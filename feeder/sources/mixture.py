@@ -118,12 +118,13 @@ class MixtureSource:
         pinned = {}
         if cursor is not None and type(cursor.src) is Mixture:
             pinned = dict(zip(cursor.src.names, cursor.src.fingerprints))
-        parts, keys, held = [], [], []
+        parts, keys, held, skipped = [], [], [], 0
         try:
             for name, src in zip(self.names, self.served):
                 if isinstance(src, PerJob):
                     key, part = src.epoch(spec, pinned.get(name, ""))
                     held.append((src, src.hold(spec.job, key)))
+                    skipped += part.bad_records
                 else:
                     key, part = src.fingerprint, src
                 parts.append(part)
@@ -133,7 +134,7 @@ class MixtureSource:
             for src, token in held:
                 src.release(spec.job, token)
             raise
-        plan.held = held
+        plan.held, plan.bad_records = held, skipped   # (as a topic served alone reports its epoch's)
         return plan
 
     def close(self) -> None:
@@ -185,15 +186,14 @@ class MixturePlan:
 
     executor = None
     lag: dict = {}
-    held: list = []   # (source, token) of each bounded topic's epoch the stream keeps agreed
+    held: list = []      # (source, token) of each bounded topic's epoch the stream keeps agreed
+    bad_records = 0      # records those epochs skipped (bad_records=skip)
 
     def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None):
         self.sizes = src.sizes(spec.seq_len)
         n = src.epoch_samples(spec)
         spec = dataclasses.replace(spec, epoch_samples=n)
         self.src, self.spec = src, spec
-        # records a bounded topic's epoch skipped (bad_records=skip), as a topic served alone says
-        self.bad_records = sum(getattr(p, "bad_records", 0) for p in src.parts)
         self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
         # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run
         # from epoch 0 draws.

@@ -110,27 +110,29 @@ def test_bounded_topic_mixtures_equal_the_oracle_on_worlds_1_2_3(world3):
         assert words in str(e.value)
 
 
-def test_bounded_topic_mixture_fails_over_exactly_after_a_sigkill(world3):
+def test_bounded_topic_mixtures_fail_over_exactly_after_a_sigkill(world3):
     """Two feeders of one region (one cache directory); the one serving the rank is SIGKILLed
-    mid-epoch and the rank goes on on the other from its cursor, exactly."""
+    mid-epoch and the rank goes on on the other from its cursor, exactly: two topics, then a
+    topic and files (the killed feeder restarted in between)."""
     streams, where, tmp = world3
-    names, weights = ("ta", "files"), (0.6, 0.4)
-    sizes = sizes_of(streams, names)
-    oracle = Oracle(names, sizes, weights, sum(sizes), seed=SEED, shuffle=True, drop_last=False)
     flags = ["--cache-dir", str(tmp / "cache-region")]
     for n in ("tb", "files"):
         flags += ["--source", f"{n}={where[n]}"]
     a, b = (FeederProc(None, source=f"ta={where['ta']}", extra=flags) for _ in range(2))
     try:
-        ds = rank([a.address, b.address], "kill", 2, 0, dict(zip(names, weights)), num_epochs=1, micro_batch=2,
-                  read_ahead=1, prefer="order")
-        got = []
-        for k, batch in enumerate(ds):
-            got.extend(zip(batch.sources.tolist(), batch.sample_ids.tolist()))
-            if k == 15:
-                a.signal(signal.SIGKILL)
-        assert ds.client.failovers >= 1
-        assert got == oracle.rank(2, 0, 0)
+        for names, weights in ((("ta", "tb"), (0.3, 0.7)), (("ta", "files"), (0.6, 0.4))):
+            sizes = sizes_of(streams, names)
+            oracle = Oracle(names, sizes, weights, sum(sizes), seed=SEED, shuffle=True, drop_last=False)
+            ds = rank([a.address, b.address], f"kill-{names[1]}", 2, 0, dict(zip(names, weights)), num_epochs=1,
+                      micro_batch=2, read_ahead=1, prefer="order")
+            got = []
+            for k, batch in enumerate(ds):
+                got.extend(zip(batch.sources.tolist(), batch.sample_ids.tolist()))
+                if k == 15:
+                    a.signal(signal.SIGKILL)
+            assert ds.client.failovers >= 1
+            assert got == oracle.rank(2, 0, 0), names
+            a.start()
     finally:
         a.stop()
         b.stop()
@@ -138,24 +140,27 @@ def test_bounded_topic_mixture_fails_over_exactly_after_a_sigkill(world3):
 
 def test_bounded_topic_mixture_resumes_on_another_cache_and_remixes_exactly(kafka_broker, world3):
     """Cursors of a mixture name each topic's epoch (its offset ranges): a feeder on another cache
-    directory, after records were added to the topic, rebuilds that epoch and goes on exactly;
-    a remix that adds the second topic re-deals the rest of the epoch as the oracle says."""
+    directory, after records were added to a topic, rebuilds those epochs and goes on exactly
+    (a topic and files, two topics); a remix that adds the second topic re-deals the rest of the
+    epoch as the oracle says."""
     streams, where, tmp = world3
     names, weights = ("ta", "files"), (0.8, 0.2)
     mix = dict(zip(names, weights))
+    both = {"ta": 0.5, "tb": 0.5}
     srcs = sources(world3, "ta", "tb", "files")
     with ServerThread(ServeConfig(sources=srcs, listen="127.0.0.1:0", cache_dir=str(tmp / "cache-b"))) as a:
-        whole = pairs(rank([a.address], "resume", 2, 1, mix))
+        whole = {m: pairs(rank([a.address], "resume-" + "+".join(dict(m)), 2, 1, dict(m)))
+                 for m in (tuple(mix.items()), tuple(both.items()))}
         cut = random.Random(4).randint(3, 12)
         before = pairs(itertools.islice(rank([a.address], "remix", 2, 0, mix, num_epochs=3), cut))
-    # (records the job's epoch must not see, published after it started)
-    topic = where["ta"].rsplit("/", 1)[1]
-    publish(kafka_broker, make_docs(30, seed=54), tmp, topic)
+    # (records the jobs' epochs must not see, published after they started, to the topic both mix)
+    publish(kafka_broker, make_docs(30, seed=54), tmp, where["ta"].rsplit("/", 1)[1])
     with ServerThread(ServeConfig(sources=srcs, listen="127.0.0.1:0", cache_dir=str(tmp / "cache-c"))) as b:
-        for at in sorted(random.Random(5).sample(range(len(whole) - 1), 3)):
-            rest = pairs(rank([b.address], "resume", 2, 1, mix, cursor=whole[at][3]))
-            assert [(e, p) for e, p, _, _ in rest] == [(e, p) for e, p, _, _ in whole[at + 1:]], at
-            check_tokens(streams, names, rest)
+        for m, run in whole.items():
+            for at in sorted(random.Random(5).sample(range(len(run) - 1), 2)):
+                rest = pairs(rank([b.address], "resume-" + "+".join(dict(m)), 2, 1, dict(m), cursor=run[at][3]))
+                assert [(e, p) for e, p, _, _ in rest] == [(e, p) for e, p, _, _ in run[at + 1:]], (m, at)
+                check_tokens(streams, [n for n, _ in m], rest)
         names3, new_w = ("ta", "files", "tb"), (0.3, 0.2, 0.5)
         after = [pairs(rank([b.address], "remix", 2, r, dict(zip(names3, new_w)), num_epochs=3,
                             cursor=before[-1][3], remix=True)) for r in range(2)]

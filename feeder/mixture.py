@@ -184,14 +184,28 @@ def counts_of(weights: tuple[float, ...], size: int) -> np.ndarray:
     return checkpoints(weights).counts(size)
 
 
-def interleave(weights: tuple[float, ...], start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(topic, its record) of slots [start, start + n) of a follow-mode mixture's record stream:
-    Megatron's blending rule over slots without end (slot k goes to the topic with the largest
-    w_d * max(k, 1) - count_d), the same rule an epoch's positions follow, the topic's record
-    being the next of its own round-robin interleave. A pure function of the weights and the
-    slot (each topic's count before every BLEND_EVERY-th slot is kept, as for a huge epoch), so
-    a stream resumed at any slot interleaves exactly as one that never stopped."""
-    return checkpoints(weights).at(np.arange(start, start + n, dtype=np.int64))
+def interleave(weights: tuple[float, ...], slot: int, counts: list[int], n: int) -> list[int]:
+    """The topics of slots [slot, slot + n) of a follow-mode mixture's record stream, each topic's
+    count of slots before `slot` given in `counts` (advanced in place: the next of a topic's
+    records fills each of its slots). Megatron's blending rule over slots without end, the rule
+    an epoch's positions follow (slot k goes to the topic with the largest w_d * max(k, 1) -
+    count_d, ties to the first), in the same double arithmetic. The counts before slot k are
+    themselves a function of the weights and k, so the interleave is a pure function of the
+    weights and the slot; a stream carries its counts (each topic's records taken) to go on from
+    any slot in O(1), where the checkpoints of a huge epoch answer a slot in up to BLEND_EVERY
+    steps each."""
+    w, out = [float(x) for x in weights], []
+    rest = range(1, len(w))
+    for k in range(slot, slot + n):
+        at = float(k) if k > 1 else 1.0
+        best, err = 0, w[0] * at - counts[0]
+        for d in rest:
+            e = w[d] * at - counts[d]
+            if e > err:
+                best, err = d, e
+        counts[best] += 1
+        out.append(best)
+    return out
 
 
 def source_seed(seed: int, name: str) -> int:

@@ -120,11 +120,13 @@ def test_follow_mode_interleave_is_megatrons_rule_from_any_slot():
     from feeder import mixture as mx
 
     rng = random.Random(2)
-    for weights in ([0.7, 0.3], [1, 2, 3], [3, 0, 1], [1e-3, 1, 5]):
-        index, draw = megatron_blend(weights, 6000)
-        for start in [0, 1, *rng.sample(range(5500), 5)]:
-            src, k = mx.interleave(mx.normalized(weights), start, 500)
-            assert (src.tolist(), k.tolist()) == (index[start:start + 500], draw[start:start + 500]), (weights, start)
+    for weights in ([0.7, 0.3], [1, 2, 3], [3, 0, 1], [1e-3, 1, 5], [rng.random() for _ in range(7)]):
+        index, _ = megatron_blend(weights, 6000)
+        for start in [0, 1, 2, *rng.sample(range(5500), 5)]:
+            counts = [index[:start].count(d) for d in range(len(weights))]   # each topic's records taken before
+            got = mx.interleave(mx.normalized(weights), start, counts, 500)
+            assert got == index[start:start + 500], (weights, start)
+            assert counts == [index[:start + 500].count(d) for d in range(len(weights))]
 
 
 def test_draws_spanning_many_permutations_are_each_permutations_own():

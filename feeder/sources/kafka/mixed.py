@@ -26,7 +26,6 @@ from typing import Iterator
 import numpy as np
 
 from feeder import mixture as mx
-from feeder import sampler
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, KafkaFollow, KafkaFollowMix
 from feeder.errors import FailedPrecondition, InvalidArgument
@@ -93,28 +92,19 @@ class MixedReader:
             for it in topics:
                 next(it)   # (a subscription's first item: the state it starts at)
             yield st.copy(), None
-            src, draw, at = np.empty(0, np.int64), None, 0
+            ahead, counts = [], [t.k for t in st.topics]   # topics of the next slots, computed a block at a time
             while True:
-                if at == len(src):
-                    try:
-                        src, draw = mx.interleave(self.weights, st.k, SLOTS)
-                    except sampler.OrderPending:   # a resume far into the stream: its counts are being computed
-                        yield None
-                        continue
-                    at = 0
-                d = int(src[at])
-                if draw[at] != st.topics[d].k:   # only a hand-made cursor gets here (it passed the MAC)
-                    raise FailedPrecondition(f"cursor does not fit this stream: slot {st.k} takes record "
-                                             f"{draw[at]} of the mixture's topic {d}, the cursor stands at "
-                                             f"{st.topics[d].k}")
+                if not ahead:
+                    ahead = mx.interleave(self.weights, st.k, counts, SLOTS)[::-1]
+                d = ahead[-1]
                 before = st.copy()
                 self._mine = st.k % self.world == self.rank
                 item = next(topics[d])
                 if item is None:
                     yield None
                     continue
+                ahead.pop()
                 st.k += 1
-                at += 1
                 yield before, item[1]
         finally:
             for it in topics:
@@ -162,6 +152,9 @@ class FollowMixPlan(FollowPlan):
                 raise FailedPrecondition(f"topic {topic} ({name!r}) had {t.partitions} partitions when this cursor "
                                          f"was made and has {len(sub.parts)} now; a follow stream needs a fixed "
                                          "partition count")
+        if sum(t.k for t in pos.topics) != pos.k:   # (only a hand-made cursor, under the secret: it passed the MAC)
+            raise FailedPrecondition(f"cursor does not fit this stream: it names no place in the mixture (its topics' "
+                                     f"records taken, {sum(t.k for t in pos.topics)}, are not its slots, {pos.k})")
         state = MixState([FollowState(next=list(t.next), turn=t.turn, k=t.k) for t in pos.topics], pos.k)
         return state, pos.i, pos.skip
 

@@ -85,8 +85,9 @@ class MixedReader:
             s.close()
         self.executor.shutdown(wait=False)
 
-    def records(self, st: MixState) -> Iterator[tuple[MixState, np.ndarray | None] | None]:
-        """From `st` (advanced in place), in slot order (see the module doc)."""
+    def records(self, st: MixState) -> Iterator[tuple[MixState | None, np.ndarray | None] | None]:
+        """From `st` (advanced in place), in slot order (see the module doc); the state before a
+        record is given for the rank's own records only (None for the others')."""
         topics = [s.records(t) for s, t in zip(self.subs, st.topics)]   # each advances its st.topics[d]
         try:
             for it in topics:
@@ -97,8 +98,10 @@ class MixedReader:
                 if not ahead:
                     ahead = mx.interleave(self.weights, st.k, counts, SLOTS)[::-1]
                 d = ahead[-1]
-                before = st.copy()
-                self._mine = st.k % self.world == self.rank
+                self._mine = mine = st.k % self.world == self.rank
+                # (the state before another rank's record is never a cursor's: FollowPlan marks only
+                # the rank's own records, and the stream's start)
+                before = st.copy() if mine else None
                 item = next(topics[d])
                 if item is None:
                     yield None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -420,3 +421,35 @@ def test_review_audit_of_a_huge_epoch_costs_what_was_delivered_not_n(tmp_path):
                        timeout=60)
     assert time.monotonic() - t0 < 30
     assert r.returncode == 1 and f"{n - 4} missing" in r.stdout, r.stdout + r.stderr
+
+
+# -- the harness's oracle for epochs too large to list (its fixed seeds of 10^9 positions)
+
+def test_the_oracles_per_position_dealing_is_distributed_samplers():
+    """tests.helpers.reference_slice (the oracle of the 10^9-position seeds) against torch's
+    DistributedSampler itself, through padding, drop_last, slices and the stateless order."""
+    from tests.helpers import reference_ids, reference_slice
+
+    rng = random.Random(25)
+    for _ in range(60):
+        n, world = rng.randint(1, 40), rng.randint(1, 9)
+        kw = dict(shuffle=rng.random() < 0.7, seed=rng.randint(0, 99), drop_last=rng.random() < 0.5,
+                  epoch=rng.randint(0, 3), permutation=rng.choice(("torch", "stateless")))
+        rank = rng.randrange(world)
+        whole = reference_ids(n, world, rank, **kw)
+        assert reference_slice(n, world, rank, **kw) == whole
+        a, b = sorted(rng.randint(0, len(whole) + 2) for _ in range(2))
+        assert reference_slice(n, world, rank, **kw, start=a, stop=b) == whole[a:b]
+
+
+def test_the_oracles_closed_form_blending_is_megatrons_loop():
+    from tests.mixture_oracle import PeriodicBlend, megatron_blend
+
+    for weights in ((1, 3), (1, 1), (1, 1, 2), (3, 5), (1, 2, 5), (7, 1), (1, 1, 1, 1, 4)):
+        blend = PeriodicBlend(weights)
+        index, draw = megatron_blend(weights, 20000)
+        assert [blend.at(p) for p in range(20000)] == list(zip(index, draw)), weights
+        for n in (1, 2, 3, 17, 19999):
+            assert blend.counts(n) == [index[:n].count(d) for d in range(len(weights))]
+    with pytest.raises(ValueError, match="dyadic"):
+        PeriodicBlend((0.1, 0.3))

@@ -17,6 +17,8 @@ FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
 MIXTURE_SHARE = 0.3
 # The share that ask for the stateless order (issue 25) instead of torch's.
 STATELESS_SHARE = 0.3
+# The share of those (unbounded, stateless mixtures) whose epoch spans 10^9 positions or more.
+LARGE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,10 @@ class Scenario:
     mixture: tuple[tuple[str, float, int], ...] = ()
     # The epoch's order (issue 25): torch's randperm, or the stateless bijection.
     permutation: str = "torch"
+    # A mixture's positions per epoch (0: all its sources' samples). Past LISTED (10^9 in the
+    # fixed seeds) the oracle computes each position on its own (the weights must then be
+    # dyadic, tests/mixture_oracle.PeriodicBlend) and a world-size change is not checked.
+    epoch_samples: int = 0
 
     @property
     def job(self) -> str:
@@ -85,6 +91,7 @@ class Scenario:
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
                 + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else "")
+                + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else "")
                 + (f" permutation={self.permutation}" if self.permutation != "torch" else ""))
 
     @staticmethod
@@ -93,6 +100,8 @@ class Scenario:
         give the same scenario."""
         if kinds is None and seed in PINNED:
             return PINNED[seed]
+        if kinds is None and seed in LARGE:
+            return LARGE[seed]
         rng = random.Random(f"chaos-{seed}")
         world = rng.choice((1, 1, 2, 2, 2, 3, 4, 4, 5, 8))
         workers = rng.choice((0, 0, 1, 2, 3))
@@ -174,9 +183,18 @@ class Scenario:
             mixture = tuple((f"s{i}", rng.choice((0.1, 0.3, 1.0, 2.0, 5.0)), rng.choice((20, 60, n_docs)))
                             for i in range(k))
         permutation = "stateless" if rng.random() < STATELESS_SHARE else "torch"   # (last of all, likewise)
+        # Some unbounded stateless mixtures span 10^9 positions or more (issue 25): the oracle then
+        # computes each position alone, which needs dyadic weights, and checks no world-size change.
+        epoch_samples = 0
+        if (mixture and permutation == "stateless" and s["num_epochs"] == 0
+                and not any(f.kind == "reshard" for f in faults) and rng.random() < LARGE_SHARE):
+            epoch_samples = rng.choice((10**9 + 7, (1 << 32) + 5))
+            weights = rng.choice(((1.0, 1.0), (1.0, 3.0), (3.0, 1.0), (1.0, 7.0), (3.0, 5.0)) if len(mixture) == 2
+                                 else ((1.0, 1.0, 2.0), (1.0, 2.0, 5.0), (4.0, 2.0, 2.0)))
+            mixture = tuple((name, w, d) for (name, _, d), w in zip(mixture, weights))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
-                        mixture=mixture, permutation=permutation)
+                        mixture=mixture, permutation=permutation, epoch_samples=epoch_samples)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change
@@ -241,3 +259,29 @@ _pin(
         target=0, heal_ms=0, hold_ms=0, detail=''), Fault(kind='reshard', at_batch=32, at_ms=0, rank=5, target=0,
         heal_ms=0, hold_ms=0, detail='4'), Fault(kind='repass', at_batch=38, at_ms=0, rank=7, target=1, heal_ms=0,
         hold_ms=0, detail=''))))
+
+
+# Fixed scenarios of a mixture over 10^9 positions and more (issue 25), past 2^31 and 2^32:
+# the ranks take a few hundred samples from anywhere in such an epoch (the stateless order, or
+# none), with feeder and rank faults, and the oracle computes each position on its own. The
+# weights normalize to dyadic fractions (1:3, 1:1:2), which the oracle's closed form of
+# Megatron's blending needs (tests/mixture_oracle.PeriodicBlend).
+LARGE: dict[int, Scenario] = {}
+for _sc in (
+        Scenario(seed=25000001, n_docs=60, seq_len=16, micro_batch=4, world=3, workers=0, persistent=False,
+                 context='', num_epochs=0, take=40, start_epoch=1, shuffle=True, drop_last=False, data_seed=77,
+                 compression='', link_kbps=32, message_bytes=2048, prefetch_messages=2, read_ahead=2, targets=2,
+                 processes=1, spread=True, failback_s=0.0, step_ms=2, ckpt_every=3,
+                 faults=(Fault(kind='sigkill', at_batch=10, rank=0, target=0, heal_ms=300),
+                         Fault(kind='restart', at_batch=25, rank=1)),
+                 mixture=(("s0", 1.0, 60), ("s1", 3.0, 20)), permutation="stateless",
+                 epoch_samples=1_000_000_007),
+        Scenario(seed=25000002, n_docs=60, seq_len=8, micro_batch=3, world=2, workers=1, persistent=True,
+                 context='forkserver', num_epochs=0, take=30, start_epoch=2, shuffle=True, drop_last=True,
+                 data_seed=5, compression='zstd', link_kbps=0, message_bytes=256, prefetch_messages=1, read_ahead=1,
+                 targets=2, processes=2, spread=False, failback_s=1.0, step_ms=1, ckpt_every=7,
+                 faults=(Fault(kind='sigterm', at_batch=8, rank=1, target=0, heal_ms=300, hold_ms=300),
+                         Fault(kind='repass', at_batch=20, rank=0)),
+                 mixture=(("s0", 1.0, 20), ("s1", 1.0, 60), ("s2", 2.0, 100)), permutation="stateless",
+                 epoch_samples=(1 << 32) + 5)):
+    LARGE[_sc.seed] = _sc

@@ -12,6 +12,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------------------ CRC-32C */
@@ -743,6 +744,26 @@ static int64_t scan_fixed8(const double *wt, Py_ssize_t nd, int64_t *count, int6
     return i;
 }
 
+/* The counts before slot `end` from those before slot i (count: in and out). */
+static void blend_scan(const double *wt, Py_ssize_t nd, int64_t *count, int64_t i, int64_t end) {
+    for (; i < end && i < 2; i++)            /* slots 0 and 1 both weigh as 1 (max(i, 1)) */
+        count[blend_step(wt, nd, count, i)]++;
+    if (i < end && nd <= 8) {
+        /* Up to 8 sources (nearly every mixture) without a branch to mispredict (the choice is
+         * a coin flip per slot): the same double arithmetic, counts held as exact doubles
+         * (< 2^53) in registers, ~1-3 ns a slot instead of ~10. */
+        switch (nd) {
+            case 1: count[0] += end - i; i = end; break;
+            case 2: i = scan_fixed2(wt, count, i, end); break;
+            case 3: i = scan_fixed3(wt, count, i, end); break;
+            case 4: i = scan_fixed4(wt, count, i, end); break;
+            default: i = scan_fixed8(wt, nd, count, i, end); break;
+        }
+    }
+    for (; i < end; i++)
+        count[blend_step(wt, nd, count, i)]++;
+}
+
 static PyObject *blend_checkpoints(PyObject *self, PyObject *args) {
     Py_buffer w, t, p;
     long long every, first;
@@ -762,21 +783,7 @@ static PyObject *blend_checkpoints(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t d = 0; d < nd; d++) count[d] = tab[first * nd + d];
     for (Py_ssize_t r = first + 1; r < rows; r++) {
-        int64_t i = (int64_t)(r - 1) * every, end = (int64_t)r * every;
-        if (i >= 2 && nd <= 8) {
-            /* Up to 8 sources (nearly every mixture) without a branch to mispredict (the choice is
-             * a coin flip per slot): the same double arithmetic, counts held as exact doubles
-             * (< 2^53) in registers, ~1-3 ns a slot instead of ~10. */
-            switch (nd) {
-                case 1: i = end; count[0] += end - (int64_t)(r - 1) * every; break;
-                case 2: i = scan_fixed2(wt, count, i, end); break;
-                case 3: i = scan_fixed3(wt, count, i, end); break;
-                case 4: i = scan_fixed4(wt, count, i, end); break;
-                default: i = scan_fixed8(wt, nd, count, i, end); break;
-            }
-        }
-        for (; i < end; i++)
-            count[blend_step(wt, nd, count, i)]++;
+        blend_scan(wt, nd, count, (int64_t)(r - 1) * every, (int64_t)r * every);
         for (Py_ssize_t d = 0; d < nd; d++) tab[r * nd + d] = count[d];
         prog[0] = r;
         if (prog[1]) { stopped = 1; break; }
@@ -789,8 +796,8 @@ static PyObject *blend_checkpoints(PyObject *self, PyObject *args) {
 
 static PyObject *blend_at(PyObject *self, PyObject *args) {
     Py_buffer w, t, sl, src, dr;
-    long long every;
-    if (!PyArg_ParseTuple(args, "y*y*Ly*w*w*", &w, &t, &every, &sl, &src, &dr)) return NULL;
+    long long every, first_row = 0;
+    if (!PyArg_ParseTuple(args, "y*y*Ly*w*w*|L", &w, &t, &every, &sl, &src, &dr, &first_row)) return NULL;
     Py_ssize_t nd = w.len / 8, rows = nd ? t.len / (8 * nd) : 0, m = sl.len / 8;
     int bad = nd < 1 || every < 1 || src.len != sl.len || dr.len != sl.len;
     int64_t *count = bad ? NULL : PyMem_RawMalloc(nd * 8);
@@ -801,10 +808,10 @@ static PyObject *blend_at(PyObject *self, PyObject *args) {
         int64_t *so = (int64_t *)src.buf, *dv = (int64_t *)dr.buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t k = 0; k < m; k++) {
-            int64_t s = slots[k], r = s / every;
-            if (s < 0 || r >= rows) { bad = 3; break; }
+            int64_t s = slots[k], r = s / every - first_row;
+            if (s < 0 || r < 0 || r >= rows) { bad = 3; break; }
             for (Py_ssize_t d = 0; d < nd; d++) count[d] = tab[r * nd + d];
-            for (int64_t i = r * every; i < s; i++) count[blend_step(wt, nd, count, i)]++;
+            blend_scan(wt, nd, count, (r + first_row) * every, s);
             Py_ssize_t b = blend_step(wt, nd, count, s);
             so[k] = b;
             dv[k] = count[b];
@@ -820,6 +827,80 @@ static PyObject *blend_at(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* The counts before slot `target` without the pass from slot 0 ("coupling from the past").
+ * Every error e_j = fl(w_j x) - c_j the loop compares stays within (-1, D-1) (up to float
+ * fuzz): the one chosen is the largest, so >= ~0 (the errors sum to ~0), and drops by less than
+ * 1; the others only grow. So the counts before slot `start` are among the few vectors with
+ * c_j in (a_j - (D-1), a_j + 1) summing to start; each is run forward to `target` with the
+ * loop's own arithmetic, and once all have met, the counts at `target` are theirs whatever
+ * the true start was. Returns how many distinct vectors are left at `target` (1: `out` holds
+ * the counts), or 0 where this does not apply (more than 4 sources, a fuzz too large). */
+#define COUPLE_MAX 1024
+static PyObject *blend_couple(PyObject *self, PyObject *args) {
+    Py_buffer w, o;
+    long long start, target;
+    if (!PyArg_ParseTuple(args, "y*LLw*", &w, &start, &target, &o)) return NULL;
+    Py_ssize_t nd = w.len / 8;
+    if (nd < 1 || o.len != nd * 8 || start < 0 || target < start) {
+        PyBuffer_Release(&w); PyBuffer_Release(&o);
+        PyErr_SetString(PyExc_ValueError, "blend_couple(weights f8[D], start, target, out i8[D])");
+        return NULL;
+    }
+    const double *wt = (const double *)w.buf;
+    double x = start > 1 ? (double)start : 1.0;
+    /* Covers sum_j fl(w_j x) - x (D roundings of ~x 2^-53 each) and the subtractions' rounding. */
+    double margin = 0.01 + 1e-15 * (double)nd * x;
+    long live = 0;
+    int64_t (*cand)[4] = nd <= 4 && margin < 0.25 ? PyMem_RawMalloc(sizeof(int64_t[4]) * COUPLE_MAX) : NULL;
+    if (cand) {
+        Py_BEGIN_ALLOW_THREADS
+        int64_t lo[4], hi[4], v[4];
+        for (Py_ssize_t j = 0; j < nd; j++) {
+            double a = start ? wt[j] * x : 0.0;
+            lo[j] = (int64_t)ceil(a - (double)(nd - 1) - margin);
+            hi[j] = start ? (int64_t)floor(a + 1.0 + margin) : 0;
+            if (lo[j] < 0) lo[j] = 0;
+            v[j] = lo[j];
+        }
+        /* every vector in the box with sum `start` (an odometer over the first D-1) */
+        int more = 1;
+        while (more && live < COUPLE_MAX) {
+            int64_t sum = 0;
+            for (Py_ssize_t j = 0; j + 1 < nd; j++) sum += v[j];
+            int64_t last = (int64_t)start - sum;
+            if (last >= lo[nd - 1] && last <= hi[nd - 1]) {
+                for (Py_ssize_t j = 0; j + 1 < nd; j++) cand[live][j] = v[j];
+                cand[live++][nd - 1] = last;
+            }
+            more = 0;
+            for (Py_ssize_t j = 0; j + 1 < nd; j++) {
+                if (v[j] < hi[j]) { v[j]++; more = 1; break; }
+                v[j] = lo[j];
+            }
+        }
+        if (more) live = 0;                  /* too many to run: not for this call */
+        /* run them in step, dropping each that meets another (from there on they are one) */
+        for (int64_t i = start; i < target && live > 0; ) {
+            int64_t end = live > 1 && target - i > 256 ? i + 256 : target;
+            for (long c = 0; c < live; c++) blend_scan(wt, nd, cand[c], i, end);
+            i = end;
+            long kept = 0;
+            for (long c = 0; c < live; c++) {
+                int dup = 0;
+                for (long e = 0; e < kept && !dup; e++)
+                    dup = memcmp(cand[e], cand[c], nd * sizeof(int64_t)) == 0;
+                if (!dup) { if (kept != c) memcpy(cand[kept], cand[c], nd * sizeof(int64_t)); kept++; }
+            }
+            live = kept;
+        }
+        if (live == 1) memcpy(o.buf, cand[0], nd * sizeof(int64_t));
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(cand);
+    }
+    PyBuffer_Release(&w); PyBuffer_Release(&o);
+    return PyLong_FromLong(live);
 }
 
 /* StreamReply.sources (field 3), a mixture's: one entry per batch, batch j's sources as int64
@@ -872,6 +953,7 @@ static PyMethodDef methods[] = {
     {"sources", sources_field, METH_VARARGS, "sources(src i8[n], counts i8[k]) -> StreamReply.sources, entry j batch j's"},
     {"blend_checkpoints", blend_checkpoints, METH_VARARGS, "Megatron's blending counts every `every` slots"},
     {"blend_at", blend_at, METH_VARARGS, "Megatron's blending at given slots, from checkpoints"},
+    {"blend_couple", blend_couple, METH_VARARGS, "Megatron's blending counts at a slot, by coupling from the past"},
     {"blend", blend, METH_VARARGS, "blend(weights f8[D], index i2[n] out, draw i8[n] out): Megatron's blending"},
     {NULL, NULL, 0, NULL}};
 

@@ -34,8 +34,9 @@ try:
     from feeder._native import blend as _native_blend
     from feeder._native import blend_at as _native_blend_at
     from feeder._native import blend_checkpoints as _native_checkpoints
+    from feeder._native import blend_couple as _native_couple
 except ImportError:  # no C compiler at install: the loop below, ~100x slower, and no huge mixtures
-    _native_blend = _native_blend_at = _native_checkpoints = None
+    _native_blend = _native_blend_at = _native_checkpoints = _native_couple = None
 
 
 def normalized(weights) -> tuple[float, ...]:
@@ -88,12 +89,21 @@ def blend(weights: tuple[float, ...], size: int) -> tuple[np.ndarray, np.ndarray
 # 10^10 positions of 3 sources hold 117 MB, where the whole blending would take 100 GB.
 BLEND_EVERY = 2048
 BLEND_INLINE = 1 << 27   # slots scanned while the rank waits (~0.3 s); more in the background
+# Up to this many sources, a checkpoint is computed on its own by coupling from the past
+# (_native.c blend_couple): ~10 us from a few thousand slots before it, so a mixture of any size
+# needs neither the pass from slot 0 (12 s at 10^10 positions) nor its table. Beyond, or where
+# the candidates have not met within COUPLE_MAX_WINDOW slots, the table is built as before.
+COUPLE_SOURCES = 4
+COUPLE_WINDOW = 1 << 11
+COUPLE_MAX_WINDOW = 1 << 21
+COUPLED_ROWS = 1 << 16   # coupled checkpoints kept (32 bytes each at 4 sources)
 
 
 class Checkpoints:
     """Megatron's blending of one weight vector at any slot, from each source's count before
     every BLEND_EVERY-th slot. The blending does not depend on the epoch's size, so one table
-    per weight vector serves every size, grown as far as a job needs it."""
+    per weight vector serves every size, grown as far as a job needs it. Up to COUPLE_SOURCES
+    sources, a checkpoint past the table is computed alone (coupled) instead of growing it."""
 
     def __init__(self, weights: tuple[float, ...]):
         self.weights = np.asarray(weights, dtype=np.float64)
@@ -102,6 +112,7 @@ class Checkpoints:
         self._lock = threading.Lock()
         self._growing: threading.Thread | None = None
         self._want = 0
+        self._coupled: "OrderedDict[int, np.ndarray]" = OrderedDict()
 
     def covers(self, size: int) -> bool:
         return size // BLEND_EVERY < len(self.table)
@@ -145,21 +156,66 @@ class Checkpoints:
                     return
             self._grow(size)
 
+    def coupled(self, row: int) -> np.ndarray | None:
+        """The counts before slot row * BLEND_EVERY without the pass from slot 0 (None: the
+        coupling does not apply here; the table must be grown)."""
+        with self._lock:
+            got = self._coupled.get(row)
+            if got is not None:
+                self._coupled.move_to_end(row)
+                return got
+        if _native_couple is None or len(self.weights) > COUPLE_SOURCES:
+            return None
+        target, window = row * BLEND_EVERY, COUPLE_WINDOW
+        out = np.empty(len(self.weights), dtype=np.int64)
+        while window <= COUPLE_MAX_WINDOW:
+            left = _native_couple(self.weights, max(0, target - window), target, out)
+            if left == 1:
+                with self._lock:
+                    self._coupled[row] = out
+                    while len(self._coupled) > COUPLED_ROWS:
+                        self._coupled.popitem(last=False)
+                return out
+            if left == 0:
+                return None
+            window *= 4
+        return None
+
+    def _row(self, row: int) -> np.ndarray | None:
+        return self.table[row] if row < len(self.table) else self.coupled(row)
+
     def at(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, draw) of each slot, as blend()'s index and draw arrays hold them."""
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         src, draw = np.empty_like(slots), np.empty_like(slots)
-        if slots.size:
-            self.ensure(int(slots.max()))
-            _native_blend_at(self.weights, self.table, BLEND_EVERY, slots, src, draw)
+        if not slots.size:
+            return src, draw
+        if not self.covers(int(slots.max())):
+            # Past the table: each slot from its own checkpoint, coupled (slots grouped by row).
+            by_row = np.argsort(slots, kind="stable")
+            rows = slots[by_row] // BLEND_EVERY
+            cuts = np.flatnonzero(np.diff(rows)) + 1
+            groups = np.split(by_row, cuts)
+            states = [self._row(int(slots[g[0]]) // BLEND_EVERY) for g in groups]
+            if all(st is not None for st in states):
+                for g, st in zip(groups, states):
+                    s, d = np.empty(len(g), np.int64), np.empty(len(g), np.int64)
+                    _native_blend_at(self.weights, st[None], BLEND_EVERY, slots[g], s, d, int(slots[g[0]]) // BLEND_EVERY)
+                    src[g], draw[g] = s, d
+                return src, draw
+        self.ensure(int(slots.max()))
+        _native_blend_at(self.weights, self.table, BLEND_EVERY, slots, src, draw)
         return src, draw
 
     def counts(self, size: int) -> np.ndarray:
         """Each source's slots among the first `size` (blend()'s counts)."""
-        self.ensure(size)
         row = size // BLEND_EVERY
+        start = self._row(row)
+        if start is None:
+            self.ensure(size)
+            start = self.table[row]
         src, _ = self.at(np.arange(row * BLEND_EVERY, size, dtype=np.int64))
-        return self.table[row] + np.bincount(src, minlength=len(self.weights))
+        return start + np.bincount(src, minlength=len(self.weights))
 
 
 _CHECKPOINTS: "OrderedDict[tuple, Checkpoints]" = OrderedDict()

@@ -66,6 +66,28 @@ def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, dr
     return list(s)
 
 
+def reference_slice(n: int, world: int, rank: int, *, shuffle: bool, seed: int, drop_last: bool, epoch: int,
+                    permutation: str = "torch", start: int = 0, stop: int | None = None) -> list[int]:
+    """reference_ids(...)[start:stop] without listing the epoch, for epochs of 10^9 positions and
+    more: DistributedSampler's dealing written out (rank r's k-th index is the order's entry
+    (r + k·world) mod n: the interleave, with padding taken again from the front), over the
+    identity or the stateless order. torch's shuffled order has no random access, so it is
+    taken from reference_ids, which is only practical for small n. Checked against
+    reference_ids in tests/test_order.py."""
+    if shuffle and permutation != "stateless":
+        return reference_ids(n, world, rank, shuffle=True, seed=seed, drop_last=drop_last, epoch=epoch)[start:stop]
+    count = (n // world if drop_last else -(-n // world)) if n > 0 else 0
+    stop = count if stop is None else min(stop, count)
+    if start >= stop:
+        return []
+    g = (rank + np.arange(start, stop, dtype=np.int64) * world) % n
+    if not shuffle:
+        return g.tolist()
+    from feeder.order import Stateless
+
+    return Stateless(n, seed + epoch)[g].tolist()
+
+
 def sample(stream: np.ndarray, i: int, seq_len: int) -> np.ndarray:
     return stream[i * seq_len:i * seq_len + seq_len + 1]
 

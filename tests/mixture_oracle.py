@@ -7,11 +7,15 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections import Counter
+from fractions import Fraction
 
 import numpy as np
 import torch
 
-from tests.helpers import reference_ids
+from tests.helpers import reference_slice
+
+# Epochs up to this many slots are blended by the loop itself; larger ones by PeriodicBlend.
+LISTED = 1 << 22
 
 
 def megatron_blend(weights, size):
@@ -33,6 +37,56 @@ def megatron_blend(weights, size):
     return index, draw
 
 
+class PeriodicBlend:
+    """megatron_blend at any slot of an epoch of any size, for weights whose normalized values
+    are dyadic (k / 2^m): the loop's every comparison w_j·x − c_j is then exact in float64, so
+    from slot 1 on (x = i) the error vector follows e(i+1) = e(i) + w − 1[chosen] alone, and
+    once it repeats (found by running the loop itself), the slots repeat with it. Slot p is
+    then the loop's slot in the first cycle plus whole cycles of draws: no 10^9-slot loop."""
+
+    def __init__(self, weights, limit: int = 1 << 16):
+        w = np.array(weights, dtype=np.float64)
+        w = (w / np.sum(w)).tolist()
+        exact = [Fraction(x) for x in w]
+        if any(f.denominator & (f.denominator - 1) or f.denominator > (1 << 20) for f in exact):
+            raise ValueError(f"weights {weights} do not normalize to dyadic fractions: no closed form here")
+        self.index, self.draw = megatron_blend(weights, limit)
+        seen: dict[tuple, int] = {}
+        counts = [0] * len(w)
+        for i in range(limit):
+            if i >= 1:
+                key = tuple(exact[j] * i - counts[j] for j in range(len(w)))
+                if key in seen:
+                    self.start, self.period = seen[key], i - seen[key]
+                    break
+                seen[key] = i
+            counts[self.index[i]] += 1
+        else:
+            raise ValueError(f"the blending of {weights} does not repeat within {limit} slots")
+        first = Counter(self.index[self.start:self.start + self.period])
+        self.per_cycle = [first[j] for j in range(len(w))]
+
+    def at(self, p: int) -> tuple[int, int]:
+        """(source, draw) of slot p."""
+        if p < self.start + self.period:
+            return self.index[p], self.draw[p]
+        q, r = divmod(p - self.start, self.period)
+        d = self.index[self.start + r]
+        return d, self.draw[self.start + r] + q * self.per_cycle[d]
+
+    def counts(self, n: int) -> list[int]:
+        """How many of slots [0, n) each source fills."""
+        out = [0] * len(self.per_cycle)
+        if n <= self.start + self.period:
+            for d in self.index[:n]:
+                out[d] += 1
+            return out
+        q, r = divmod(n - self.start, self.period)
+        for d in self.index[:self.start + r]:
+            out[d] += 1
+        return [o + q * c for o, c in zip(out, self.per_cycle)]
+
+
 @functools.lru_cache(maxsize=4096)
 def source_perm(n, seed, name, cycle, shuffle, permutation="torch"):
     if not shuffle:
@@ -51,22 +105,33 @@ class Oracle:
     def __init__(self, names, sizes, weights, n, seed, shuffle, drop_last, permutation="torch"):
         self.names, self.sizes, self.n, self.permutation = names, sizes, n, permutation
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.index, self.draw = megatron_blend(weights, n)
-        self.per_epoch = Counter(self.index)
+        if n <= LISTED:
+            self.index, self.draw = megatron_blend(weights, n)
+            self.per_epoch = Counter(self.index)
+            self.blend = None
+        else:   # too many slots to list: the closed form (dyadic weights only)
+            self.blend = PeriodicBlend(weights)
+            self.per_epoch = dict(enumerate(self.blend.counts(n)))
+
+    def slot(self, p):
+        return self.blend.at(p) if self.blend else (self.index[p], self.draw[p])
 
     def fill(self, epoch, p):
-        d = self.index[p]
-        k = epoch * self.per_epoch[d] + self.draw[p]
+        d, draw = self.slot(p)
+        k = epoch * self.per_epoch[d] + draw
         cycle, r = divmod(k, self.sizes[d])
         return d, source_perm(self.sizes[d], self.seed, self.names[d], cycle, self.shuffle, self.permutation)[r]
 
-    def rank(self, world, rank, epoch):
-        pos = reference_ids(self.n, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
-                            epoch=epoch, permutation=self.permutation)
+    def rank(self, world, rank, epoch, start=0, stop=None):
+        """(source, id) of the rank's samples [start:stop] of the epoch."""
+        pos = reference_slice(self.n, world, rank, shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
+                              epoch=epoch, permutation=self.permutation, start=start, stop=stop)
         return [self.fill(epoch, p) for p in pos]
 
     def fills(self, epoch):
         """(source, id) of every position of the epoch, in position order."""
+        if self.blend:
+            raise ValueError(f"an epoch of {self.n} slots is not listed: ask for a rank's slice")
         return [self.fill(epoch, p) for p in range(self.n)]
 
 

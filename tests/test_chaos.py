@@ -6,7 +6,8 @@ a world-size change, a new DataLoader pass, a rank disagreeing with its job) and
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
 spread over feeders, finite and unbounded streams, one dataset and mixtures of several, torch's
 order and the stateless one, sources on files and on bounded Kafka topics (mixed with files). Each
-scenario is a few seconds.
+scenario is a few seconds. Two more (LARGE) are mixtures of 10^9 and 2^32 + 5 positions per
+epoch, the oracle computing each position on its own.
 
 The regression tests replay seeds that found a bug on the code before the fixes of audit
 findings 1-4 (1be1a8d); `python -m tests.chaos --seed N` replays one by hand and keeps the work
@@ -91,6 +92,22 @@ def test_chaos_kafka_mixture_with_a_sigkill_and_a_trainer_restart(request):
     SIGKILLed and restarted, the trainer restarted from its checkpoint."""
     assert Scenario.from_seed(2970).kafka == (0,) and Scenario.from_seed(2970).mixture
     _run(2970, request)
+
+
+def test_large_seeds_are_mixtures_past_10_9_positions_with_faults():
+    from tests.chaos.scenario import LARGE
+
+    scs = list(LARGE.values())
+    assert all(sc.mixture and sc.epoch_samples >= 10**9 and sc.faults for sc in scs)
+    assert max(sc.epoch_samples for sc in scs) > 1 << 32
+
+
+@pytest.mark.parametrize("seed", [25000001, 25000002])
+def test_chaos_seed_of_a_mixture_past_10_9_positions(seed):
+    """Issue 25: the harness's fixed seeds include mixtures of 10^9 and 2^32 + 5 positions
+    (tests/chaos/scenario.py LARGE), checked position by position."""
+    assert Scenario.from_seed(seed).epoch_samples >= 10**9
+    _run(seed)
 
 
 # Seeds that failed on 1be1a8d (before the fixes of audit findings 1-4), named by what broke;

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -340,12 +341,16 @@ def test_ids_past_2_32_reach_the_rank_and_resume_exactly(tmp_path):
 
 @pytest.mark.parametrize("weights", [(1.0,), (0.7, 0.3), (1, 1), (0.5, 0, 0.25, 0.25), (1, 2, 3),
                                      (5, 1, 1, 1, 0.1), (1,) * 8, (3, 1, 4, 1, 5, 9, 2, 6, 5)])
-def test_the_blending_from_checkpoints_is_the_materialized_one_bit_for_bit(weights):
+@pytest.mark.parametrize("path", ["coupled", "table"])
+def test_the_blending_from_checkpoints_is_the_materialized_one_bit_for_bit(weights, path, monkeypatch):
     """Any slot's (source, draw) and the counts of any prefix, from checkpoints every
     BLEND_EVERY slots, equal the materialized blending (ties, weight-0 sources, 1 to 9 sources:
-    each of the C scan's paths), including the slots next to a checkpoint."""
+    each of the C scan's paths), including the slots next to a checkpoint; with checkpoints
+    coupled from the past (up to 4 sources) and from the table's pass from slot 0."""
     from feeder import mixture as mx
 
+    if path == "table":
+        monkeypatch.setattr(mx, "COUPLE_SOURCES", 0)
     w = mx.normalized(weights)
     size = 61 * mx.BLEND_EVERY + 17
     index, draw, counts = mx.blend(w, size)
@@ -358,6 +363,24 @@ def test_the_blending_from_checkpoints_is_the_materialized_one_bit_for_bit(weigh
     for k in (0, 1, e, 5 * e + 3, size):
         assert np.array_equal(cp.counts(k), np.bincount(index[:k], minlength=len(w)))
     assert np.array_equal(cp.counts(size), counts)
+    assert (len(cp.table) > 1) == (path == "table" or len(w) > mx.COUPLE_SOURCES)
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (0.2, 0.3, 0.5), (0.001, 0.3, 1, 2)])
+def test_checkpoints_coupled_from_the_past_equal_the_pass_from_slot_0_far_out(weights):
+    """Coupling (feeder/_native.c blend_couple) at 3·10^8 slots, where float rounding of
+    w·x has grown: the same counts as the table's one pass from slot 0."""
+    from feeder import _native
+    from feeder import mixture as mx
+
+    w = np.asarray(mx.normalized(weights))
+    e = mx.BLEND_EVERY
+    table = np.zeros((300_000_000 // e + 1, len(w)), dtype=np.int64)
+    _native.blend_checkpoints(w, table, e, 0, np.zeros(2, dtype=np.int64))
+    cp = mx.Checkpoints(tuple(w))
+    rng = np.random.default_rng(7)
+    for row in np.concatenate([rng.integers(1, len(table), 300), [1, 2, len(table) - 1]]).tolist():
+        assert np.array_equal(cp.coupled(row), table[row]), row
 
 
 # -- found by the outside review ------------------------------------------------------------------
@@ -420,3 +443,35 @@ def test_review_audit_of_a_huge_epoch_costs_what_was_delivered_not_n(tmp_path):
                        timeout=60)
     assert time.monotonic() - t0 < 30
     assert r.returncode == 1 and f"{n - 4} missing" in r.stdout, r.stdout + r.stderr
+
+
+# -- the harness's oracle for epochs too large to list (its fixed seeds of 10^9 positions)
+
+def test_the_oracles_per_position_dealing_is_distributed_samplers():
+    """tests.helpers.reference_slice (the oracle of the 10^9-position seeds) against torch's
+    DistributedSampler itself, through padding, drop_last, slices and the stateless order."""
+    from tests.helpers import reference_ids, reference_slice
+
+    rng = random.Random(25)
+    for _ in range(60):
+        n, world = rng.randint(1, 40), rng.randint(1, 9)
+        kw = dict(shuffle=rng.random() < 0.7, seed=rng.randint(0, 99), drop_last=rng.random() < 0.5,
+                  epoch=rng.randint(0, 3), permutation=rng.choice(("torch", "stateless")))
+        rank = rng.randrange(world)
+        whole = reference_ids(n, world, rank, **kw)
+        assert reference_slice(n, world, rank, **kw) == whole
+        a, b = sorted(rng.randint(0, len(whole) + 2) for _ in range(2))
+        assert reference_slice(n, world, rank, **kw, start=a, stop=b) == whole[a:b]
+
+
+def test_the_oracles_closed_form_blending_is_megatrons_loop():
+    from tests.mixture_oracle import PeriodicBlend, megatron_blend
+
+    for weights in ((1, 3), (1, 1), (1, 1, 2), (3, 5), (1, 2, 5), (7, 1), (1, 1, 1, 1, 4)):
+        blend = PeriodicBlend(weights)
+        index, draw = megatron_blend(weights, 20000)
+        assert [blend.at(p) for p in range(20000)] == list(zip(index, draw)), weights
+        for n in (1, 2, 3, 17, 19999):
+            assert blend.counts(n) == [index[:n].count(d) for d in range(len(weights))]
+    with pytest.raises(ValueError, match="dyadic"):
+        PeriodicBlend((0.1, 0.3))

@@ -59,21 +59,25 @@ class Oracle:
     def fail(self, msg: str) -> None:
         self.errors.append(msg)
 
-    def epoch_ids(self, world: int, rank: int, epoch: int) -> list:
+    def epoch_ids(self, world: int, rank: int, epoch: int, stop: int | None = None) -> list:
+        """The rank's first `stop` samples of the epoch (None: all of them)."""
+        if self.mix is not None and self.mix.blend is not None:
+            # An epoch too large to list (10^9 positions): each position on its own.
+            return self.mix.rank(world, rank, epoch, stop=stop)
         key = (world, rank, epoch)
         if key not in self._ref:
             pos = reference_ids(self.n, world, rank, shuffle=self.sc.shuffle, seed=self.sc.data_seed,
                                 drop_last=self.sc.drop_last, epoch=epoch, permutation=self.sc.permutation)
             fill = self.fills(epoch)
             self._ref[key] = [fill[p] for p in pos]
-        return self._ref[key]
+        return self._ref[key][:stop]
 
     def expected(self, world: int, rank: int, count: int) -> list[tuple[int, int, list[int]]]:
         """(epoch, step, ids) of the first `count` batches of a rank that starts at the scenario's epoch."""
         sc, out, epoch = self.sc, [], self.sc.start_epoch
+        mb = sc.micro_batch
         while len(out) < count:
-            ids = self.epoch_ids(world, rank, epoch)
-            mb = sc.micro_batch
+            ids = self.epoch_ids(world, rank, epoch, stop=(count - len(out)) * mb)
             out += [(epoch, s, ids[s * mb:(s + 1) * mb]) for s in range(-(-len(ids) // mb))]
             epoch += 1
             if sc.num_epochs and epoch >= sc.start_epoch + sc.num_epochs:

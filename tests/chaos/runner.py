@@ -363,7 +363,7 @@ class ScenarioRun:
         # A mixture: a corpus per source, and an epoch of all their samples (the default epoch_samples)
         self.sources = [(kafka_corpus if i in sc.kafka else corpus)(cache, d) for i, (_, _, d) in enumerate(sc.mixture)]
         if sc.mixture:
-            self.n = sum(n_samples(len(c.stream), sc.seq_len) for c in self.sources)
+            self.n = sc.epoch_samples or sum(n_samples(len(c.stream), sc.seq_len) for c in self.sources)
         self.errors: list[str] = []
         self.injected: Counter = Counter()
         self.timers: list = []
@@ -443,7 +443,8 @@ class ScenarioRun:
                    reshard=reshard, read_ahead=sc.read_ahead, compression=sc.compression, retry_for_s=RANK_RETRY_FOR_S,
                    failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
-                   mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation)
+                   mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation,
+                   epoch_samples=sc.epoch_samples)
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()

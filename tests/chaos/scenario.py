@@ -17,6 +17,8 @@ FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
 MIXTURE_SHARE = 0.3
 # The share that ask for the stateless order (issue 25) instead of torch's.
 STATELESS_SHARE = 0.3
+# The share of those (unbounded, stateless mixtures) whose epoch spans 10^9 positions or more.
+LARGE_SHARE = 0.5
 # The share that serve their corpus, or some of a mixture's, from bounded Kafka topics (issue
 # 26): a Kafka scenario is a mixture as often as any other (MIXTURE_SHARE), of topics alone or of
 # topics and files. They need the broker (`make kafka`).
@@ -74,6 +76,10 @@ class Scenario:
     mixture: tuple[tuple[str, float, int], ...] = ()
     # The epoch's order (issue 25): torch's randperm, or the stateless bijection.
     permutation: str = "torch"
+    # A mixture's positions per epoch (0: all its sources' samples). Past LISTED (10^9 in the
+    # fixed seeds) the oracle computes each position on its own (the weights must then be
+    # dyadic, tests/mixture_oracle.PeriodicBlend) and a world-size change is not checked.
+    epoch_samples: int = 0
     # The sources served from a bounded Kafka topic (its documents published to 3 partitions), by
     # index: the corpus (0) or a mixture's sources; () = all on files.
     kafka: tuple[int, ...] = ()
@@ -92,6 +98,7 @@ class Scenario:
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
                 + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else "")
+                + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else "")
                 + (f" permutation={self.permutation}" if self.permutation != "torch" else "")
                 + (f" kafka={','.join(map(str, self.kafka))}" if self.kafka else ""))
 
@@ -101,6 +108,8 @@ class Scenario:
         give the same scenario."""
         if kinds is None and seed in PINNED:
             return PINNED[seed]
+        if kinds is None and seed in LARGE:
+            return LARGE[seed]
         rng = random.Random(f"chaos-{seed}")
         world = rng.choice((1, 1, 2, 2, 2, 3, 4, 4, 5, 8))
         workers = rng.choice((0, 0, 1, 2, 3))
@@ -187,9 +196,19 @@ class Scenario:
             # The corrupt fault flips a byte of the first source's files: that one stays on files.
             can = [i for i in range(len(mixture) or 1) if not (i == 0 and any(f.kind == "corrupt" for f in faults))]
             kafka = tuple(i for j, i in enumerate(can) if j == 0 or rng.random() < 0.5)
+        # Some unbounded stateless mixtures on files span 10^9 positions or more (issue 25): the
+        # oracle then computes each position alone, which needs dyadic weights, and checks no
+        # world-size change. (After the Kafka draw, likewise.)
+        epoch_samples = 0
+        if (mixture and not kafka and permutation == "stateless" and s["num_epochs"] == 0
+                and not any(f.kind == "reshard" for f in faults) and rng.random() < LARGE_SHARE):
+            epoch_samples = rng.choice((10**9 + 7, (1 << 32) + 5))
+            weights = rng.choice(((1.0, 1.0), (1.0, 3.0), (3.0, 1.0), (1.0, 7.0), (3.0, 5.0)) if len(mixture) == 2
+                                 else ((1.0, 1.0, 2.0), (1.0, 2.0, 5.0), (4.0, 2.0, 2.0)))
+            mixture = tuple((name, w, d) for (name, _, d), w in zip(mixture, weights))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
-                        mixture=mixture, permutation=permutation, kafka=kafka)
+                        mixture=mixture, permutation=permutation, kafka=kafka, epoch_samples=epoch_samples)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change
@@ -254,3 +273,29 @@ _pin(
         target=0, heal_ms=0, hold_ms=0, detail=''), Fault(kind='reshard', at_batch=32, at_ms=0, rank=5, target=0,
         heal_ms=0, hold_ms=0, detail='4'), Fault(kind='repass', at_batch=38, at_ms=0, rank=7, target=1, heal_ms=0,
         hold_ms=0, detail=''))))
+
+
+# Fixed scenarios of a mixture over 10^9 positions and more (issue 25), past 2^31 and 2^32:
+# the ranks take a few hundred samples from anywhere in such an epoch (the stateless order, or
+# none), with feeder and rank faults, and the oracle computes each position on its own. The
+# weights normalize to dyadic fractions (1:3, 1:1:2), which the oracle's closed form of
+# Megatron's blending needs (tests/mixture_oracle.PeriodicBlend).
+LARGE: dict[int, Scenario] = {}
+for _sc in (
+        Scenario(seed=25000001, n_docs=60, seq_len=16, micro_batch=4, world=3, workers=0, persistent=False,
+                 context='', num_epochs=0, take=40, start_epoch=1, shuffle=True, drop_last=False, data_seed=77,
+                 compression='', link_kbps=32, message_bytes=2048, prefetch_messages=2, read_ahead=2, targets=2,
+                 processes=1, spread=True, failback_s=0.0, step_ms=2, ckpt_every=3,
+                 faults=(Fault(kind='sigkill', at_batch=10, rank=0, target=0, heal_ms=300),
+                         Fault(kind='restart', at_batch=25, rank=1)),
+                 mixture=(("s0", 1.0, 60), ("s1", 3.0, 20)), permutation="stateless",
+                 epoch_samples=1_000_000_007),
+        Scenario(seed=25000002, n_docs=60, seq_len=8, micro_batch=3, world=2, workers=1, persistent=True,
+                 context='forkserver', num_epochs=0, take=30, start_epoch=2, shuffle=True, drop_last=True,
+                 data_seed=5, compression='zstd', link_kbps=0, message_bytes=256, prefetch_messages=1, read_ahead=1,
+                 targets=2, processes=2, spread=False, failback_s=1.0, step_ms=1, ckpt_every=7,
+                 faults=(Fault(kind='sigterm', at_batch=8, rank=1, target=0, heal_ms=300, hold_ms=300),
+                         Fault(kind='repass', at_batch=20, rank=0)),
+                 mixture=(("s0", 1.0, 20), ("s1", 1.0, 60), ("s2", 2.0, 100)), permutation="stateless",
+                 epoch_samples=(1 << 32) + 5)):
+    LARGE[_sc.seed] = _sc

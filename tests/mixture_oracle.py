@@ -12,7 +12,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from tests.helpers import reference_slice
+from tests.helpers import reference_ids, reference_slice
 
 # Epochs up to this many slots are blended by the loop itself; larger ones by PeriodicBlend.
 LISTED = 1 << 22

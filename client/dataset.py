@@ -87,7 +87,8 @@ class FeederDataset(IterableDataset):
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
                                bad_records=bad_records, client_started_ns=process_started_ns(),
                                mixture=mixture_pairs(mixture), remix=remix, permutation=permutation,
-                               epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__") else epoch_samples)
+                               epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__")
+                               and not isinstance(epoch_samples, bool) else epoch_samples)
         self.targets = tuple(targets)
         self.cursor = cursor
         # Plain values only (no gRPC objects): the dataset is pickled to DataLoader workers.

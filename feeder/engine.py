@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from feeder import __version__, preparing
+from feeder import mixture as blending
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor, Mixture
 from feeder.errors import InvalidArgument, NotFound, Unavailable
@@ -191,6 +192,7 @@ class Engine:
         """End every stream now with UNAVAILABLE, so clients resume elsewhere at once
         instead of waiting for the grace period to run out."""
         self.orders.stop()   # a build's loop ends within milliseconds: SIGTERM does not wait for it
+        blending.stop()      # and so does a mixture's blending scan
         for job in self.jobs.jobs.values():
             for stream in list(job.streams.values()):
                 stream.end(Unavailable(f"feeder in region {self.cfg.region} is shutting down; resume elsewhere"))

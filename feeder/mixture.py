@@ -95,8 +95,13 @@ BLEND_INLINE = 1 << 27   # slots scanned while the rank waits (~0.3 s); more in 
 # the candidates have not met within COUPLE_MAX_WINDOW slots, the table is built as before.
 COUPLE_SOURCES = 4
 COUPLE_WINDOW = 1 << 11
-COUPLE_MAX_WINDOW = 1 << 21
+COUPLE_MAX_WINDOW = 1 << 17
 COUPLED_ROWS = 1 << 16   # coupled checkpoints kept (32 bytes each at 4 sources)
+# The table's limit: more sources than COUPLE_SOURCES, or weights whose candidates do not meet
+# (a weight 0 named after a weighted source, weights ~10^9 apart), are served from the table up
+# to this size, 2.7·10^10 positions of 5 sources; beyond, the request is refused, not left
+# waiting on an allocation that fails.
+TABLE_MAX_BYTES = 1 << 30
 
 
 class Checkpoints:
@@ -113,6 +118,8 @@ class Checkpoints:
         self._growing: threading.Thread | None = None
         self._want = 0
         self._coupled: "OrderedDict[int, np.ndarray]" = OrderedDict()
+        self._uncoupled = False   # candidates once failed to meet: these weights use the table
+        self._error = ""          # the background scan failed (or was stopped): said to every rank
 
     def covers(self, size: int) -> bool:
         return size // BLEND_EVERY < len(self.table)
@@ -124,6 +131,18 @@ class Checkpoints:
         if _native_checkpoints is None:
             raise FailedPrecondition(f"a mixture of {size:,} positions needs the feeder's C extension "
                                      "(feeder/_native.c), which this install lacks", elsewhere=True)
+        need = (size // BLEND_EVERY + 1) * len(self.weights) * 8
+        if need > TABLE_MAX_BYTES:
+            k = len(self.weights)
+            most = TABLE_MAX_BYTES // (8 * k) * BLEND_EVERY
+            why = (f"a mixture of more than {COUPLE_SOURCES} sources is blended from a table" if k > COUPLE_SOURCES else
+                   "these weights' blending cannot be computed per position (a weight 0 named after a weighted "
+                   "source, or weights about 10^9 apart), so it is blended from a table")
+            raise FailedPrecondition(f"{why}, which over {size:,} positions would take {need / 2**30:.1f} GiB "
+                                     f"(the limit is {TABLE_MAX_BYTES / 2**30:.0f} GiB): use at most {most:,} "
+                                     f"positions, or at most {COUPLE_SOURCES} sources with positive weights")
+        if self._error:
+            raise FailedPrecondition(f"the mixture's blending could not be computed: {self._error}", elsewhere=True)
         with self._lock:
             if self.covers(size):
                 return
@@ -144,17 +163,23 @@ class Checkpoints:
         table = np.zeros((rows, self.table.shape[1]), dtype=np.int64)
         table[:len(self.table)] = self.table
         self.progress[0] = len(self.table) - 1
-        _native_checkpoints(self.weights, table, BLEND_EVERY, len(self.table) - 1, self.progress)
+        if _native_checkpoints(self.weights, table, BLEND_EVERY, len(self.table) - 1, self.progress):
+            raise RuntimeError("stopped: the feeder is shutting down")   # (rows past the stop are not counts)
         self.table = table
 
     def _grow_in_background(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    size = self._want
+                    if self.covers(size):
+                        return
+                self._grow(size)
+        except Exception as e:   # (out of memory, stopped): every waiting rank is told, none waits forever
+            self._error = str(e) or type(e).__name__
+        finally:
             with self._lock:
-                size = self._want
-                if self.covers(size):
-                    self._growing = None
-                    return
-            self._grow(size)
+                self._growing = None
 
     def coupled(self, row: int) -> np.ndarray | None:
         """The counts before slot row * BLEND_EVERY without the pass from slot 0 (None: the
@@ -164,7 +189,7 @@ class Checkpoints:
             if got is not None:
                 self._coupled.move_to_end(row)
                 return got
-        if _native_couple is None or len(self.weights) > COUPLE_SOURCES:
+        if _native_couple is None or len(self.weights) > COUPLE_SOURCES or self._uncoupled:
             return None
         target, window = row * BLEND_EVERY, COUPLE_WINDOW
         out = np.empty(len(self.weights), dtype=np.int64)
@@ -179,6 +204,7 @@ class Checkpoints:
             if left == 0:
                 return None
             window *= 4
+        self._uncoupled = True   # (and not tried again at every poll: each try scans ~10^5 slots per candidate)
         return None
 
     def _row(self, row: int) -> np.ndarray | None:
@@ -219,6 +245,15 @@ class Checkpoints:
 
 
 _CHECKPOINTS: "OrderedDict[tuple, Checkpoints]" = OrderedDict()
+
+
+def stop() -> None:
+    """SIGTERM: end every blending scan under way (its loop looks at the flag every BLEND_EVERY
+    slots) and forget the weight vectors' checkpoints (a later server in this process starts anew)."""
+    with _BLEND_LOCK:
+        for cp in _CHECKPOINTS.values():
+            cp.progress[1] = 1
+        _CHECKPOINTS.clear()
 
 
 def checkpoints(weights: tuple[float, ...]) -> Checkpoints:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from feeder import order
-from feeder.errors import InvalidArgument
+from feeder.errors import FailedPrecondition, InvalidArgument
 from feeder.sampler import OrderPending
 
 log = logging.getLogger("feeder.orders")
@@ -84,6 +84,7 @@ class OrderStore:
             hit = self._mapped.get(name)
         if hit is not None:
             return hit
+        self._check_fits(n)
         got = self._open(name, n)
         if got is not None:
             return got
@@ -98,6 +99,8 @@ class OrderStore:
         with self._lock:
             if name in self._mapped or name in self._builds:
                 return
+        if n * order.order_dtype(n).itemsize > self.max_bytes:
+            return   # (refused when asked for: get says why)
         if not os.path.exists(os.path.join(self.dir, name)):
             self._start(name, n, seed, kind)
 
@@ -118,6 +121,16 @@ class OrderStore:
             t.join(max(0.0, deadline - time.monotonic()))
 
     # -- inside --
+    def _check_fits(self, n: int) -> None:
+        """An order larger than the cache's budget is refused before anything is built or
+        removed (it would first evict every other order, then fail, and be tried again forever)."""
+        size = n * order.order_dtype(n).itemsize
+        if size > self.max_bytes:
+            raise FailedPrecondition(
+                f"torch's order of {n:,} samples is a file of {size / 1e9:,.1f} GB, more than this feeder's order "
+                f"cache holds (--cache-max-gb {self.max_bytes / 1e9:g}): ask for permutation='stateless' (no file, "
+                "any size), or serve with a larger --cache-max-gb")
+
     @staticmethod
     def name(n: int, seed: int, kind: str) -> str:
         loop = "io" if order.inside_out(kind, n) else "fwd"
@@ -209,7 +222,10 @@ class OrderStore:
         t0 = time.monotonic()
         try:
             with os.fdopen(fd, "r+b") as f:
-                f.truncate(size)
+                # Every block reserved now: a sparse file on a filesystem that fills up during the
+                # build would kill this process with SIGBUS at the first page it cannot back; this
+                # raises "No space left on device" instead (said to the ranks, tried again later).
+                os.posix_fallocate(f.fileno(), 0, size)
                 with mmap.mmap(f.fileno(), size) as mm:
                     out = np.frombuffer(mm, dtype=dtype)
                     reporter = threading.Thread(target=self._report, args=(b, path), daemon=True)

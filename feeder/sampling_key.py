@@ -37,6 +37,8 @@ def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
     """The refusal of a rank whose job key differs from the one its job runs with."""
     name, ours, theirs = next((n, a, b) for n, a, b in zip(JOB, running, asked) if a != b)
     hint = ""
+    if name == "permutation":   # "": torch's, where every release draws the same (feeder.order.agreed)
+        ours, theirs = ours or "torch", theirs or "torch"
     if name == "permutation" and {ours, theirs} <= {"torch", "torch-legacy"}:
         hint = (" The ranks' torch versions differ: torch before 2.7 ('torch-legacy') and from 2.7 ('torch') shuffle "
                 "this many samples differently, so the ranks would not share one order; install one torch release "

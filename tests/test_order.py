@@ -475,3 +475,118 @@ def test_the_oracles_closed_form_blending_is_megatrons_loop():
             assert blend.counts(n) == [index[:n].count(d) for d in range(len(weights))]
     with pytest.raises(ValueError, match="dyadic"):
         PeriodicBlend((0.1, 0.3))
+
+
+# -- found by the second outside review (after coupled checkpoints) --------------------------------
+
+def test_review2_a_mixture_past_2_45_positions_is_refused_at_once():
+    """R1: epoch_samples of 2^48 (up to 2^62 was promised) waited forever: coupling's float margin
+    gave out near 2^47, and the fallback table's 1 TiB allocation died in a background thread."""
+    from feeder.config import MAX_EPOCH_SAMPLES, StreamSpec
+    from feeder.errors import InvalidArgument
+
+    spec = dict(job="j", rank=0, world_size=1, seq_len=8, micro_batch=1, mixture=(("a", 1.0), ("b", 1.0)))
+    StreamSpec(**spec, epoch_samples=MAX_EPOCH_SAMPLES)
+    with pytest.raises(InvalidArgument, match="epoch_samples must be at most"):
+        StreamSpec(**spec, epoch_samples=MAX_EPOCH_SAMPLES + 1)
+    # the coupling holds at the limit, with 4 sources
+    from feeder import _native
+    from feeder import mixture as mx
+
+    w = np.asarray(mx.normalized((1, 2, 3, 4)))
+    out = np.empty(4, dtype=np.int64)
+    assert _native.blend_couple(w, MAX_EPOCH_SAMPLES - (1 << 12), MAX_EPOCH_SAMPLES, out) == 1
+
+
+def test_review2_weights_that_never_couple_use_the_table_and_are_not_retried_at_every_poll():
+    """R2: {a: 1, b: 0} (a weight 0 after a weighted source) never couples: each poll retried it
+    for seconds, so the ranks' waiting notes stopped. Now the first failure sends these weights to
+    the table (the same answers), and a table past its limit is refused, not allocated."""
+    from feeder import mixture as mx
+    from feeder.errors import FailedPrecondition
+
+    w = mx.normalized((1, 0))
+    index, draw, _ = mx.blend(w, 40 * mx.BLEND_EVERY)
+    cp = mx.Checkpoints(w)
+    assert cp.coupled(10**6) is None and cp._uncoupled
+    t0 = time.monotonic()
+    assert cp.coupled(10**6 + 1) is None and time.monotonic() - t0 < 0.01
+    slots = np.arange(0, 40 * mx.BLEND_EVERY, 997)
+    src, drw = cp.at(slots)
+    assert np.array_equal(src, index[slots]) and np.array_equal(drw, draw[slots])
+    with pytest.raises(FailedPrecondition, match="would take .* GiB"):
+        mx.Checkpoints(mx.normalized((1,) * 5)).ensure(10**12)
+    with pytest.raises(FailedPrecondition, match="cannot be computed per position"):
+        cp.ensure(10**12)
+
+
+def test_review2_a_failed_or_stopped_blending_scan_is_said_not_waited_on(monkeypatch):
+    """R1's thread death left ranks waiting at 0% forever; R5: SIGTERM did not stop a scan
+    (13.9 s). A scan that fails or is stopped now says so to every rank, and keeps no
+    half-computed rows."""
+    from feeder import mixture as mx
+    from feeder import sampler as smp
+    from feeder.errors import FailedPrecondition
+
+    monkeypatch.setattr(mx, "BLEND_INLINE", 1 << 16)
+    cp = mx.checkpoints(mx.normalized((1,) * 6))   # 6 sources: the table, ~3 ns a slot
+    with pytest.raises(smp.OrderPending):
+        cp.ensure(2 * 10**9)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    mx.stop()
+    while cp._growing is not None and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert cp._growing is None and time.monotonic() - t0 < 1.0
+    assert len(cp.table) == 1   # (nothing kept of a stopped scan)
+    with pytest.raises(FailedPrecondition, match="stopped"):
+        cp.ensure(2 * 10**9)
+
+    def broken(*a):
+        raise MemoryError("no room for the table")
+    monkeypatch.setattr(mx, "_native_checkpoints", broken)
+    cp = mx.checkpoints(mx.normalized((1,) * 5))
+    with pytest.raises(smp.OrderPending):
+        cp.ensure(10**9)
+    while cp._growing is not None:
+        time.sleep(0.01)
+    with pytest.raises(FailedPrecondition, match="no room for the table"):
+        cp.ensure(10**9)
+
+
+def test_review2_an_order_larger_than_the_cache_is_refused_before_any_other_is_removed(tmp_path):
+    """R3: a torch order that can never fit (a 32 EiB one) was retried every 5 s, forever, and
+    each try first removed every other order in the cache (on Lustre: the region's)."""
+    from feeder.errors import FailedPrecondition
+    from feeder.order_store import OrderStore
+
+    st = OrderStore(str(tmp_path), max_bytes=64 << 20)
+    other = tmp_path / "orders" / "randperm-fwd-n5000000-s1.u32"
+    other.write_bytes(b"\0" * 20_000_000)
+    for n in (17_000_000, 2**62):
+        with pytest.raises(FailedPrecondition, match="permutation='stateless'"):
+            st.get(n, 3, "torch")
+        st.prepare(n, 3, "torch")
+    assert other.exists() and not st.builds()
+
+
+def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_sigbus(tmp_path):
+    """R4: a build on a sparse mapping killed the feeder with SIGBUS when its filesystem filled
+    (a 16 MB tmpfs here, in a mount namespace of our own); every block is now reserved first."""
+    cache = tmp_path / "small"
+    cache.mkdir()
+    script = (
+        "import sys, time\n"
+        "from feeder.order_store import OrderStore\n"
+        "from feeder.sampler import OrderPending\n"
+        "st = OrderStore(sys.argv[1])\n"
+        "for _ in range(300):\n"
+        "    try:\n"
+        "        st.get(8_000_000, 3, 'torch'); print('BUILT'); break\n"
+        "    except OrderPending as e:\n"
+        "        if 'failed' in str(e): print(e); break\n"
+        "    time.sleep(0.05)\n")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=16m tmpfs "$1" && exec "$2" -c "$3" "$1"',
+                        "sh", str(cache), sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert "No space left on device" in r.stdout, r.stdout + r.stderr[-500:]

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from feeder.errors import Code, FeederError
+from feeder.layout import Bounds, cu_seqlens, position_ids
 from feeder.v1 import feeder_pb2 as pb
 
 DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_UINT32: np.dtype("<u4")}
@@ -40,6 +41,17 @@ class FeederBatch:
     # A mixture's: int64 [n], the index in the mixture of each sample's source (sample_ids are
     # then ids within that source). None without a mixture.
     sources: torch.Tensor | None = None
+    # Streams with boundaries (FeederDataset(boundaries=True), and every packed stream):
+    # position_ids int64 [n, seq_len] over the inputs tokens[:, :-1], restarting at each
+    # document (Megatron's reset_position_ids); cu_seqlens int32, FlashAttention's varlen
+    # offsets of the documents over the flattened n·seq_len inputs; loss_mask float32
+    # [n, seq_len], 0 where the label tokens[:, 1:] is a bin's padding; `boundaries` the compact
+    # form (feeder.layout.Bounds: the document starts inside each sample), for the helpers of
+    # feeder_client.packing. None without boundaries.
+    position_ids: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    boundaries: Bounds | None = None
 
 
 def pinned(n: int, sample_len: int) -> torch.Tensor:
@@ -53,7 +65,8 @@ def pinned(n: int, sample_len: int) -> torch.Tensor:
 
 
 def decode(b: pb.Batch, region: str = "",
-           alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None) -> FeederBatch:
+           alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None,
+           boundaries: bytes | None = None) -> FeederBatch:
     """One batch's tensors; FeederError(DATA_LOSS) when the batch is corrupt.
 
     The tokens are widened from the reply into their int64 tensor in one pass: into a fresh
@@ -83,5 +96,16 @@ def decode(b: pb.Batch, region: str = "",
             raise FeederError(f"batch epoch {b.epoch} step {b.step} names the sources of {len(sources) // 8} "
                               f"samples, expected {b.n}", code=Code.DATA_LOSS)
         src = torch.from_numpy(np.frombuffer(sources, dtype="<i8").astype(np.int64))
+    extra = {}
+    if boundaries is not None:
+        try:
+            bounds = Bounds.from_bytes(boundaries, b.n, b.sample_len)
+        except ValueError as e:
+            raise FeederError(f"batch epoch {b.epoch} step {b.step}: {e}", code=Code.DATA_LOSS) from None
+        seq_len = b.sample_len - 1
+        pad = np.arange(1, b.sample_len) >= bounds.lengths[:, None]
+        extra = dict(boundaries=bounds, position_ids=torch.from_numpy(position_ids(bounds, seq_len)),
+                     cu_seqlens=torch.from_numpy(cu_seqlens(bounds, seq_len)),
+                     loss_mask=torch.from_numpy((~pad).astype(np.float32)))
     return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region,
-                       sources=src)
+                       sources=src, **extra)

@@ -22,7 +22,10 @@ DEAL = ("world_size", "rank")
 BATCHES = ("micro_batch", "epoch", "num_epochs")
 
 # What every rank of a job must share.
-JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES)
+# `packing` decides the samples too, but through the fingerprint a plan gives its cursors (a
+# packed stream's is its packing's: feeder.sources.packed); `boundaries` decides what a batch
+# carries, and ranks of one model must see the same.
+JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES, "packing", "boundaries")
 # What a cursor records of the stream that wrote it, and a resumed stream must match
 # (world_size and rank only without reshard: re-dealing to another world is what reshard is for).
 CURSOR = ("job", "fingerprint", *SAMPLES, *DEAL)

@@ -102,11 +102,30 @@ def _sources_np(block: Block) -> bytes:
     return out.tobytes()
 
 
+def _boundaries(block: Block) -> bytes:
+    """StreamReply.boundaries (field 5): one entry per batch, after everything else (as the
+    sources): per sample the document starts inside it, a few bytes where its tokens are
+    thousands (feeder.layout.Bounds.to_bytes)."""
+    b = block.boundaries
+    if b is None:
+        return b""
+    ptr = b.ptr()
+    counts = np.ascontiguousarray(b.counts, dtype="<i4").tobytes()
+    lengths = np.ascontiguousarray(b.lengths, dtype="<i4").tobytes()
+    starts = np.ascontiguousarray(b.starts, dtype="<i4").tobytes()
+    parts, at = [], 0
+    for k in block.counts.tolist():
+        parts += _ld(5, b"".join((counts[4 * at:4 * (at + k)], lengths[4 * at:4 * (at + k)],
+                                  starts[4 * int(ptr[at]):4 * int(ptr[at + k])])))
+        at += k
+    return b"".join(parts)
+
+
 def encode_reply(block: Block, region: str) -> bytes:
     if _frame is None:
-        return encode_reply_py(block, region) + _sources(block)
+        return encode_reply_py(block, region) + _sources(block) + _boundaries(block)
     rows = block.rows
     return _frame(block.tokens, block.payloads, block.ids, block.counts, block.epochs, block.steps, block.cursors,
                   block.sample_len, np.dtype(block.dtype).itemsize, DTYPE_ENUM[block.dtype],
                   COMPRESSION_ENUM[block.compression], region.encode(),
-                  None if rows is None else (rows.bufs, rows.which, rows.offs), _sources(block))
+                  None if rows is None else (rows.bufs, rows.which, rows.offs), _sources(block) + _boundaries(block))

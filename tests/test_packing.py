@@ -107,3 +107,109 @@ def test_served_boundaries_are_the_documents_of_every_format_on_worlds_1_2_3(fmt
                     assert b.tokens[r].tolist() == stream[i * SEQ:i * SEQ + SEQ + 1].tolist()
                 got += b.sample_ids.tolist()
             assert got == expected_ids(stream, rank, world, SEQ, SEED)
+
+
+# ------------------------------------------------------------------ what a model makes of them
+
+def tiny_llama():
+    """transformers' Llama with a small random config (nothing downloaded), deterministic."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def token_losses(model, input_ids, shift_labels, **kw):
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, **kw).logits
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), shift_labels, ignore_index=-100,
+                                             reduction="none")
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_a_packed_batch_with_the_block_mask_gives_each_documents_own_loss(packing, formats, feeder):
+    """A tiny Llama on a served batch with the block-diagonal mask from the served boundaries
+    gives, token for token, the loss of each document run alone; without it, it does not."""
+    import torch
+
+    from feeder_client.packing import block_causal_mask, hf_inputs, segment_ids
+
+    model = tiny_llama()
+    ds = FeederDataset([feeder.address], job=f"llama-{packing}", rank=0, world_size=1, seq_len=64, micro_batch=4,
+                       seed=SEED, dataset="manifest", packing=packing, boundaries=True, read_ahead=1)
+    batch = next(iter(ds))
+    ds.client.close()
+    x = hf_inputs(batch)
+    served = token_losses(model, x["input_ids"], x["shift_labels"], attention_mask=block_causal_mask(batch),
+                          position_ids=x["position_ids"])
+    plain = token_losses(model, x["input_ids"], x["shift_labels"])           # causal over the whole sample
+    seg, alone_counted, crossed = segment_ids(batch), 0, 0
+    for r in range(len(seg)):
+        for s in seg[r].unique().tolist():
+            at = (seg[r] == s).nonzero().flatten()
+            a, e = int(at[0]), int(at[-1]) + 1
+            alone = token_losses(model, x["input_ids"][r:r + 1, a:e], x["shift_labels"][r:r + 1, a:e])[0]
+            counted = x["shift_labels"][r, a:e] != -100
+            torch.testing.assert_close(served[r, a:e][counted], alone[counted], rtol=1e-9, atol=1e-9)
+            alone_counted += int(counted.sum())
+            crossed += int(a > 0 and counted.any())
+    assert alone_counted > 100 and crossed > 0     # documents after the first in a sample were compared
+    counted = x["shift_labels"] != -100
+    assert (plain - served)[counted].abs().max() > 1e-3   # without the mask, later documents see earlier ones
+
+
+def test_megatron_inputs_are_megatrons_own_under_each_flag(feeder):
+    """On a corpus whose documents end with EOD, the masks made from the served boundaries are
+    those megatron.core's GPTDataset makes by scanning for EOD, under each of its three flags."""
+    import itertools
+
+    import torch
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from feeder_client.packing import megatron_inputs
+
+    ds = FeederDataset([feeder.address], job="megatron-flags", rank=0, world_size=1, seq_len=SEQ, micro_batch=16,
+                       seed=SEED, dataset="manifest", boundaries=True, read_ahead=1)
+    batch = next(iter(ds))
+    ds.client.close()
+    for flags in itertools.product((False, True), repeat=3):
+        ours = megatron_inputs(batch, eod_token=EOS, reset_position_ids=flags[0], reset_attention_mask=flags[1],
+                               eod_mask_loss=flags[2])
+        for r in range(len(batch.tokens)):
+            mask, loss_mask, pos = _get_ltor_masks_and_position_ids(batch.tokens[r, :-1], EOS, *flags, True)
+            assert torch.equal(ours["position_ids"][r], pos), flags
+            assert torch.equal(ours["loss_mask"][r], loss_mask), flags
+            assert torch.equal(ours["attention_mask"][r], mask), flags
+        assert torch.equal(ours["labels"], batch.tokens[:, 1:])
+
+
+def test_hf_inputs_of_a_bin_are_data_collator_with_flattening_of_its_documents(feeder):
+    """A best-fit bin's Hugging Face inputs are what transformers' DataCollatorWithFlattening
+    makes of the documents in it (then padding: never a label)."""
+    from transformers import DataCollatorWithFlattening
+
+    from feeder_client.packing import hf_inputs
+
+    ds = FeederDataset([feeder.address], job="hf-flat", rank=0, world_size=1, seq_len=64, micro_batch=8,
+                       seed=SEED, dataset="manifest", packing="best_fit", read_ahead=1)
+    batch = next(iter(ds))
+    ds.client.close()
+    x = hf_inputs(batch, whole=True)
+    collate = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    b, padded = batch.boundaries, 0
+    for r, (lo, hi) in enumerate(zip(b.ptr()[:-1], b.ptr()[1:])):
+        cuts = [*b.starts[lo:hi].tolist(), int(b.lengths[r])]
+        docs = [{"input_ids": batch.tokens[r, a:e].tolist()} for a, e in zip(cuts, cuts[1:])]
+        want = collate(docs)
+        n = int(b.lengths[r])
+        assert x["input_ids"][r, :n].tolist() == want["input_ids"][0].tolist()
+        assert x["position_ids"][r, :n].tolist() == want["position_ids"][0].tolist()
+        assert x["labels"][r, :n].tolist() == want["labels"][0].tolist()
+        assert (x["labels"][r, n:] == -100).all()
+        padded += 65 - n
+    assert padded > 0 and len(batch.tokens) == 8

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from feeder.config import StreamSpec
 from feeder.errors import FailedPrecondition
+from feeder.layout import PACKED_PREFIX
 
 # The epoch's order and its samples (with the dataset's fingerprint). `permutation` as the plan
 # agreed it (feeder.order.agreed): "" wherever the torch releases' orders are the same.
@@ -48,6 +49,11 @@ def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
                               f"{name}={theirs!r}. Every rank of a job must agree.{hint}")
 
 
+def packed_kind(fingerprint: str) -> str:
+    """The packing a stream's fingerprint says its samples have (feeder.sources.packed.identity)."""
+    return "best_fit" if fingerprint.startswith(PACKED_PREFIX) else "concat"
+
+
 def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple[str, ...] | None = None
                     ) -> FailedPrecondition | None:
     """Why `cursor` cannot resume the stream `spec` over data `fingerprint` (None: it fits).
@@ -63,6 +69,9 @@ def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple
         theirs = getattr(cursor, name)
         ours = fingerprint if name == "fingerprint" else getattr(spec, name)
         if theirs != ours:
+            if name == "fingerprint" and packed_kind(theirs) != packed_kind(ours):   # not another replica's data
+                return FailedPrecondition(f"cursor does not fit this stream: packing differs: the cursor is of "
+                                          f"{packed_kind(theirs)} samples, the request asks for {packed_kind(ours)}")
             if name == "permutation":   # "": torch's, where every release draws the same (feeder.order.agreed)
                 theirs, ours = theirs or "torch", ours or "torch"
             shown = "dataset fingerprint" if name == "fingerprint" else name

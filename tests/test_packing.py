@@ -4,6 +4,8 @@ as the byte tokenizer makes them), without the feeder's code: a document of d by
 tokens with its EOS, and starts where the ones before it end."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -213,3 +215,201 @@ def test_hf_inputs_of_a_bin_are_data_collator_with_flattening_of_its_documents(f
         assert (x["labels"][r, n:] == -100).all()
         padded += 65 - n
     assert padded > 0 and len(batch.tokens) == 8
+
+
+# ------------------------------------------------------------------------------ best-fit packing
+
+BIN = 64   # seq_len of the packing tests: bins of 65 tokens; many documents are longer
+
+
+def expected_pieces(docs) -> list[tuple[int, ...]]:
+    """What best-fit bins must hold, from the documents alone: each document (with its EOS)
+    whole if it fits a bin, else cut into bin-sized pieces and the remainder."""
+    out = []
+    for d in docs:
+        toks = [*d.encode("utf-8"), EOS]
+        out += [tuple(toks[a:a + BIN + 1]) for a in range(0, len(toks), BIN + 1)]
+    return out
+
+
+def served_pieces(batches) -> dict[int, list[tuple[int, ...]]]:
+    """{bin id: the segments it holds}, from served batches (a bin served twice: the same)."""
+    bins = {}
+    for b in batches:
+        bd = b.boundaries
+        ptr = bd.ptr()
+        for r, i in enumerate(b.sample_ids.tolist()):
+            cuts = [*bd.starts[ptr[r]:ptr[r + 1]].tolist(), int(bd.lengths[r])]
+            segs = [tuple(b.tokens[r, a:e].tolist()) for a, e in zip(cuts, cuts[1:])]
+            assert bins.setdefault(i, segs) == segs
+            assert b.loss_mask[r].tolist() == [1.0] * (int(bd.lengths[r]) - 1) + [0.0] * (BIN + 1 - int(bd.lengths[r]))
+    return bins
+
+
+def packed_epoch(address, job, world, dataset="manifest", **kw):
+    out = []
+    for rank in range(world):
+        ds = FeederDataset([address], job=job, rank=rank, world_size=world, seq_len=BIN, micro_batch=4, seed=SEED,
+                           dataset=dataset, packing="best_fit", read_ahead=2, **kw)
+        out.append(list(ds))
+    return out
+
+
+def test_best_fit_bins_hold_every_document_whole_and_every_token_once_an_epoch(formats, feeder):
+    from collections import Counter
+
+    _, docs = formats["manifest"]
+    epoch = packed_epoch(feeder.address, "bf-epoch", 3)
+    bins = served_pieces(b for rank in epoch for b in rank)
+    n_bins = len(bins)
+    assert sorted(bins) == list(range(n_bins))                  # every bin dealt (padding repeats some)
+    served = Counter(seg for segs in bins.values() for seg in segs)
+    assert served == Counter(expected_pieces(docs))             # whole documents, every token once
+    n_tokens = len(byte_stream(docs))
+    assert n_bins <= 1.10 * -(-n_tokens // (BIN + 1))           # within 10 % of a perfect packing
+    per_rank = -(-n_bins // 3)
+    assert [sum(len(b.sample_ids) for b in rank) for rank in epoch] == [per_rank] * 3
+
+
+def test_best_fit_resumes_exactly_from_random_cursors(feeder):
+    import random
+
+    whole = packed_epoch(feeder.address, "bf-resume", 2)[1]
+    for k in random.Random(27).sample(range(len(whole) - 1), 4):
+        ds = FeederDataset([feeder.address], job="bf-resume", rank=1, world_size=2, seq_len=BIN, micro_batch=4,
+                           seed=SEED, dataset="manifest", packing="best_fit", read_ahead=2, cursor=whole[k].cursor)
+        rest = list(ds)
+        assert [b.sample_ids.tolist() for b in rest] == [b.sample_ids.tolist() for b in whole[k + 1:]]
+        assert all((x.tokens == y.tokens).all() and (x.position_ids == y.position_ids).all()
+                   for x, y in zip(rest, whole[k + 1:]))
+
+
+def test_best_fit_reshards_from_two_ranks_to_three_without_loss_or_repeat(feeder):
+    two = [FeederDataset([feeder.address], job="bf-reshard", rank=r, world_size=2, seq_len=BIN, micro_batch=4,
+                         seed=SEED, dataset="manifest", packing="best_fit", read_ahead=2) for r in range(2)]
+    before, cursors = [], []
+    for ds in two:
+        it = iter(ds)
+        taken = [next(it) for _ in range(5)]
+        ds.client.close()
+        before += [i for b in taken for i in b.sample_ids.tolist()]
+        cursors.append(taken[-1].cursor)
+    after = []
+    for r in range(3):
+        ds = FeederDataset([feeder.address], job="bf-reshard", rank=r, world_size=3, seq_len=BIN, micro_batch=4,
+                           seed=SEED, dataset="manifest", packing="best_fit", read_ahead=2, cursor=cursors[0],
+                           reshard=True)
+        after += [i for b in ds for i in b.sample_ids.tolist()]
+    n_bins = len(served_pieces(b for rank in packed_epoch(feeder.address, "bf-count", 1) for b in rank))
+    served = before + after
+    assert set(served) == set(range(n_bins))
+    assert len(served) - n_bins < 3                          # only DistributedSampler's padding repeats
+
+
+def test_a_mixture_of_a_packed_source_and_another_serves_each_sources_bins_exactly(formats, feeder):
+    """Mixture positions draw bins of their sources: the bins the sources serve alone, and a
+    resumed mixture goes on exactly."""
+    tables = [served_pieces(b for rank in packed_epoch(feeder.address, f"bf-alone-{name}", 1, name) for b in rank)
+              for name in ("manifest", "mds")]
+    got = list(FeederDataset([feeder.address], job="bf-mix", rank=0, world_size=1, seq_len=BIN, micro_batch=4,
+                             seed=SEED, mixture={"manifest": 0.6, "mds": 0.4}, packing="best_fit", read_ahead=2))
+    counts = [0, 0]
+    for b in got:
+        for r, (i, d) in enumerate(zip(b.sample_ids.tolist(), b.sources.tolist())):
+            assert served_pieces([dataclasses.replace(b, sample_ids=b.sample_ids[r:r + 1], tokens=b.tokens[r:r + 1],
+                                                      loss_mask=b.loss_mask[r:r + 1],
+                                                      boundaries=b.boundaries.part(r, r + 1))])[i] == tables[d][i]
+            counts[d] += 1
+    assert min(counts) > 10
+    k = len(got) // 2
+    again = list(FeederDataset([feeder.address], job="bf-mix", rank=0, world_size=1, seq_len=BIN, micro_batch=4,
+                               seed=SEED, mixture={"manifest": 0.6, "mds": 0.4}, packing="best_fit", read_ahead=2,
+                               cursor=got[k].cursor))
+    assert [(b.sample_ids.tolist(), b.sources.tolist()) for b in again] == \
+        [(b.sample_ids.tolist(), b.sources.tolist()) for b in got[k + 1:]]
+
+
+@pytest.mark.fault
+def test_best_fit_fails_over_exactly_from_a_sigkilled_feeder_to_one_that_packed_alone(formats, tmp_path):
+    """Two feeders with caches of their own each pack the corpus (the same bins: a pure
+    function of it); killing the serving one mid-epoch loses and repeats nothing."""
+    import random
+    import signal
+
+    from tests.helpers import FeederProc
+
+    source, _ = formats["manifest"]
+    feeders = [FeederProc(source, extra=["--cache-dir", str(tmp_path / f"cache{k}")]) for k in range(2)]
+    common = dict(rank=0, world_size=2, seq_len=BIN, micro_batch=4, seed=SEED, packing="best_fit", read_ahead=2,
+                  num_epochs=0)   # no end: every kill breaks a stream the rank must reopen elsewhere
+    try:
+        n = 600                   # batches: a dozen epochs, more than the transport holds in flight
+        ref = iter(FeederDataset([feeders[1].address], job="bf-kill-ref", **common))
+        want = [next(ref) for _ in range(n)]
+        ref.close()
+        points = sorted(random.Random(5).sample(range(2, 150), 3))
+        ds = FeederDataset([f.address for f in feeders], job="bf-kill", retry_for_s=60, **common)
+        got, kills = [], 0
+        for k, b in enumerate(ds):
+            got.append(b)
+            if kills < len(points) and k == points[kills]:
+                victim = next(f for f in feeders if f.address == ds.client.target)
+                victim.signal(signal.SIGKILL)
+                victim.start()
+                kills += 1
+            if len(got) == n:
+                break
+        assert kills == len(points) and ds.client.failovers >= 1
+        ds.client.close()
+        assert [b.sample_ids.tolist() for b in got] == [b.sample_ids.tolist() for b in want]
+        assert all((x.tokens == y.tokens).all() and (x.cu_seqlens == y.cu_seqlens).all() for x, y in zip(got, want))
+        assert all(len(list((tmp_path / f"cache{k}" / "packing").iterdir())) == 1 for k in range(2))
+    finally:
+        for f in feeders:
+            f.stop()
+
+
+def test_ranks_that_disagree_on_packing_or_boundaries_and_concat_cursors_are_refused(feeder):
+    from feeder.errors import Code, FeederError
+
+    common = dict(world_size=2, seq_len=BIN, micro_batch=4, seed=SEED, dataset="manifest", read_ahead=1,
+                  retry_for_s=5)
+    for job, first, second, word in (("dis-pack", {"packing": "best_fit"}, {}, "packing"),
+                                     ("dis-bounds", {}, {"boundaries": True}, "boundaries")):
+        one = iter(FeederDataset([feeder.address], job=job, rank=0, num_epochs=0, **common, **first))
+        next(one)                                   # rank 0 streams (with no end), so the job runs with its values
+        with pytest.raises(FeederError) as e:
+            next(iter(FeederDataset([feeder.address], job=job, rank=1, num_epochs=0, **common, **second)))
+        assert e.value.code == Code.FAILED_PRECONDITION and word in str(e.value)
+        one.close()
+    concat = next(iter(FeederDataset([feeder.address], job="dis-cursor", rank=0, **common)))
+    with pytest.raises(FeederError) as e:
+        next(iter(FeederDataset([feeder.address], job="dis-cursor", rank=0, packing="best_fit", cursor=concat.cursor,
+                                **common)))
+    assert e.value.code == Code.FAILED_PRECONDITION and "packing" in str(e.value)
+
+
+def test_the_packer_is_best_fit_decreasing_in_c_and_python_alike_and_pads_web_lengths_little():
+    """The C packer and its Python twin give the same bins; on web-like (log-normal) lengths
+    the padding is far below 3 %; every piece is whole and within its bin."""
+    from feeder import layout
+
+    rng = np.random.default_rng(27)
+    for _ in range(30):
+        n, cap = int(rng.integers(1, 400)), int(rng.integers(2, 90))
+        lengths = rng.integers(1, cap, size=n).astype(np.uint32)
+        order, ptr = np.empty(n, np.int64), np.empty(n + 1, np.int64)
+        bins = layout._best_fit(lengths, cap, order, ptr)
+        want_order, want_ptr = layout._best_fit_py(lengths, cap)
+        assert bins == len(want_ptr) - 1 and (order == want_order).all() and (ptr[:bins + 1] == want_ptr).all()
+    lengths = np.maximum(1, rng.lognormal(6, 1.2, size=100_000)).astype(np.int64)   # mean ~ 800 tokens
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    total = int(lengths.sum())
+    p = layout.best_fit(starts, total, 2049)
+    assert 1 - total / (p.n_bins * 2049) < 0.03
+    counts, at, length, offset = p.pieces(np.arange(p.n_bins))
+    assert length.sum() == total and (offset + length <= 2049).all()
+    assert sorted(at.tolist()) == sorted(set(at.tolist()))              # each piece once
+    doc = np.searchsorted(starts, at, side="right") - 1
+    whole = (at == starts[doc]) & (length == lengths[doc])
+    assert sorted(doc[whole].tolist()) == np.flatnonzero(lengths <= 2049).tolist()   # each that fits: whole, once

@@ -27,7 +27,7 @@ import numpy as np
 
 from feeder import preparing
 from feeder.errors import FailedPrecondition
-from feeder.layout import PACKER, Bounds, Packing, best_fit
+from feeder.layout import PACKED_PREFIX, PACKER, Bounds, Packing, best_fit
 from feeder.rows import Rows
 
 log = logging.getLogger("feeder.packing")
@@ -52,7 +52,7 @@ def directory() -> Path:
 
 def identity(fingerprint: str, seq_len: int) -> str:
     """The fingerprint of a packed stream: the data's, the bin size and the packer's rule."""
-    return "bf-" + hashlib.sha256(f"{fingerprint}\0{seq_len}\0{PACKER}".encode()).hexdigest()[:40]
+    return PACKED_PREFIX + hashlib.sha256(f"{fingerprint}\0{seq_len}\0{PACKER}".encode()).hexdigest()[:40]
 
 
 class PackedTable:

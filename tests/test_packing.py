@@ -269,6 +269,13 @@ def test_best_fit_bins_hold_every_document_whole_and_every_token_once_an_epoch(f
     assert n_bins <= 1.10 * -(-n_tokens // (BIN + 1))           # within 10 % of a perfect packing
     per_rank = -(-n_bins // 3)
     assert [sum(len(b.sample_ids) for b in rank) for rank in epoch] == [per_rank] * 3
+    from feeder.status import fetch, render
+
+    line = next(p for p in fetch(feeder.address).packings if p.startswith(f"manifest seq_len {BIN}:"))
+    truncated = sum(len(d.encode("utf-8")) + 1 > BIN + 1 for d in docs)
+    padding = 1 - n_tokens / (n_bins * (BIN + 1))
+    assert f"{len(docs)} documents in {n_bins} bins, {100 * padding:.2f}% padding, {truncated} truncated" in line
+    assert "per 10^6 documents" in line and render(fetch(feeder.address), feeder.address).caption
 
 
 def test_best_fit_resumes_exactly_from_random_cursors(feeder):
@@ -413,3 +420,30 @@ def test_the_packer_is_best_fit_decreasing_in_c_and_python_alike_and_pads_web_le
     doc = np.searchsorted(starts, at, side="right") - 1
     whole = (at == starts[doc]) & (length == lengths[doc])
     assert sorted(doc[whole].tolist()) == np.flatnonzero(lengths <= 2049).tolist()   # each that fits: whole, once
+
+
+@pytest.mark.kafka
+def test_kafka_records_are_documents_when_bounded_and_a_followed_topic_refuses_them(kafka_broker, tmp_path):
+    from collections import Counter
+
+    from feeder.errors import Code, FeederError
+    from tests.test_kafka import publish, topic_name
+
+    docs = make_docs(60, seed=4)
+    topic = publish(kafka_broker, docs, tmp_path, topic_name("bounds"))
+    ordered = [docs[i] for p in range(3) for i in range(p, len(docs), 3)]   # (partition, offset) order
+    starts = doc_starts(ordered)
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?mode=follow", listen="127.0.0.1:0")) as srv:
+        for ask in ({"boundaries": True}, {"packing": "best_fit"}):
+            with pytest.raises(FeederError) as e:
+                next(iter(FeederDataset([srv.address], job="follow", rank=0, world_size=1, seq_len=SEQ,
+                                        micro_batch=2, num_epochs=0, retry_for_s=5, **ask)))
+            assert e.value.code == Code.FAILED_PRECONDITION and repr(topic) in str(e.value) and "follow" in str(e.value)
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?spool={tmp_path}",
+                                  listen="127.0.0.1:0")) as srv:
+        for b in FeederDataset([srv.address], job="bounded", rank=1, world_size=2, seq_len=SEQ, micro_batch=4,
+                               seed=SEED, boundaries=True):
+            check_boundaries(b, lambda i: window_starts(starts, i))
+        bins = served_pieces(FeederDataset([srv.address], job="bounded-bf", rank=0, world_size=1, seq_len=BIN,
+                                           micro_batch=4, seed=SEED, packing="best_fit"))
+        assert Counter(s for segs in bins.values() for s in segs) == Counter(expected_pieces(ordered))

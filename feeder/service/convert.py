@@ -141,7 +141,8 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
     reply = pb.StatusReply(region=status.region, uptime_s=status.uptime_s, streams_open=status.streams_open,
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
                            processes=status.processes, chunks_changed=status.chunks_changed,
-                           scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing)
+                           scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
+                           packings=status.packings)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:

@@ -136,11 +136,18 @@ def build(source, seq_len: int, where: Path) -> dict:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-        log.info("%s: %d documents in %d bins, %.2f%% padding, %d truncated, packed in %.2f s", note,
-                 stats["documents"], stats["bins"], 100 * stats["padding_fraction"], stats["truncated"], pack_s)
+        log.info("packed %s", describe({"dataset": getattr(source, "name", "?"), **stats}))
         return stats
     finally:
         preparing.finished(note)
+
+
+def describe(stats: dict) -> str:
+    """One line of a packing's figures (`feeder status`, the log)."""
+    return (f"{stats.get('dataset', '?')} seq_len {stats['seq_len']}: {stats['documents']:,} documents in "
+            f"{stats['bins']:,} bins, {100 * stats['padding_fraction']:.2f}% padding, {stats['truncated']:,} "
+            f"truncated (longer than a bin), packed in {stats['pack_s']:.2f} s "
+            f"({stats['pack_s_per_million']:.2f} s per 10^6 documents)")
 
 
 def built() -> list[dict]:

@@ -5,7 +5,8 @@ through a proxy, a corrupt replica, a superseding stream, a trainer restart from
 a world-size change, a new DataLoader pass, a rank disagreeing with its job) and every worker
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
 spread over feeders, finite and unbounded streams, one dataset and mixtures of several, torch's
-order and the stateless one. Each scenario is a few seconds.
+order and the stateless one, concat windows and best-fit bins (checked against bins packed by
+tests/helpers.py packed_bins, from the rule alone). Each scenario is a few seconds.
 
 The regression tests replay seeds that found a bug on the code before the fixes of audit
 findings 1-4 (1be1a8d); `python -m tests.chaos --seed N` replays one by hand and keeps the work
@@ -42,6 +43,7 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
     assert any(sc.processes > 1 for sc in scs) and any(sc.num_epochs == 0 for sc in scs)
     assert any(sc.mixture for sc in scs) and any(not sc.mixture for sc in scs)   # mixtures too (issue 18)
     assert {sc.permutation for sc in scs} == {"torch", "stateless"}              # both orders (issue 25)
+    assert {sc.packing for sc in scs} == {"concat", "best_fit"}                  # both sample layouts (issue 27)
 
 
 def test_regression_seeds_are_pinned_to_the_scenarios_that_failed():

@@ -341,9 +341,8 @@ def test_best_fit_fails_over_exactly_from_a_sigkilled_feeder_to_one_that_packed_
     """Two feeders with caches of their own each pack the corpus (the same bins: a pure
     function of it); killing the serving one mid-epoch loses and repeats nothing."""
     import random
-    import signal
 
-    from tests.helpers import FeederProc
+    from tests.helpers import FeederProc, take_killing
 
     source, _ = formats["manifest"]
     feeders = [FeederProc(source, extra=["--cache-dir", str(tmp_path / f"cache{k}")]) for k in range(2)]
@@ -356,16 +355,7 @@ def test_best_fit_fails_over_exactly_from_a_sigkilled_feeder_to_one_that_packed_
         ref.close()
         points = sorted(random.Random(5).sample(range(2, 150), 3))
         ds = FeederDataset([f.address for f in feeders], job="bf-kill", retry_for_s=60, **common)
-        got, kills = [], 0
-        for k, b in enumerate(ds):
-            got.append(b)
-            if kills < len(points) and k == points[kills]:
-                victim = next(f for f in feeders if f.address == ds.client.target)
-                victim.signal(signal.SIGKILL)
-                victim.start()
-                kills += 1
-            if len(got) == n:
-                break
+        got, kills = take_killing(ds, feeders, points, limit=n)
         assert kills == len(points) and ds.client.failovers >= 1
         ds.client.close()
         assert [b.sample_ids.tolist() for b in got] == [b.sample_ids.tolist() for b in want]

@@ -102,11 +102,9 @@ class PosixSource:
         """int64, sorted: where documents start in the stream inside chunk k. From what the format
         records (our shards' and Hugging Face's rows, Megatron's index, MDS samples), or, for
         files that record none, after each EOS token. Kept for the last chunks asked."""
-        with self._lock:
-            got = self._doc_starts.get(k)
-            if got is not None:
-                self._doc_starts.move_to_end(k)
-                return got
+        got = self._recent(self._doc_starts, k)
+        if got is not None:
+            return got
         si, ci = self._where[k]
         if si in self._bad:
             raise DataLoss(self._bad[si])
@@ -167,11 +165,9 @@ class PosixSource:
         arr = self._mapped.get(k)
         if arr is not None:
             return arr
-        with self._lock:
-            arr = self._decoded.get(k)
-            if arr is not None:
-                self._decoded.move_to_end(k)
-                return arr
+        arr = self._recent(self._decoded, k)
+        if arr is not None:
+            return arr
         si, ci = self._where[k]
         if si in self._bad:
             raise DataLoss(self._bad[si])
@@ -196,6 +192,14 @@ class PosixSource:
                     _, old = self._decoded.popitem(last=False)
                     self._decoded_bytes -= old.nbytes
         return arr
+
+    def _recent(self, cache: OrderedDict, k: int) -> np.ndarray | None:
+        """Chunk k's entry in a bounded cache (then the most recently used), or None."""
+        with self._lock:
+            got = cache.get(k)
+            if got is not None:
+                cache.move_to_end(k)
+            return got
 
     def rescrub(self, k: int) -> tuple[int, str]:
         """Check chunk k again if it was verified and is served from the memory map (what a

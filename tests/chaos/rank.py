@@ -58,7 +58,7 @@ def rank_main(cfg: dict, conn) -> None:
                            read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
                            retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
                            report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None,
-                           permutation=cfg.get("permutation", "torch"))
+                           permutation=cfg.get("permutation", "torch"), packing=cfg.get("packing", "concat"))
         workers = cfg["workers"]
         if workers and cfg["context"] == "forkserver":
             # The workers' forkserver imports torch and the client once; each worker is then a

@@ -17,6 +17,8 @@ FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
 MIXTURE_SHARE = 0.3
 # The share that ask for the stateless order (issue 25) instead of torch's.
 STATELESS_SHARE = 0.3
+# The share that ask for best-fit packing (issue 27): samples are bins of whole documents.
+PACKING_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Scenario:
     mixture: tuple[tuple[str, float, int], ...] = ()
     # The epoch's order (issue 25): torch's randperm, or the stateless bijection.
     permutation: str = "torch"
+    # The samples (issue 27): windows of the concatenated documents, or best-fit bins.
+    packing: str = "concat"
 
     @property
     def job(self) -> str:
@@ -85,7 +89,8 @@ class Scenario:
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
                 + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else "")
-                + (f" permutation={self.permutation}" if self.permutation != "torch" else ""))
+                + (f" permutation={self.permutation}" if self.permutation != "torch" else "")
+                + (f" packing={self.packing}" if self.packing != "concat" else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -174,9 +179,10 @@ class Scenario:
             mixture = tuple((f"s{i}", rng.choice((0.1, 0.3, 1.0, 2.0, 5.0)), rng.choice((20, 60, n_docs)))
                             for i in range(k))
         permutation = "stateless" if rng.random() < STATELESS_SHARE else "torch"   # (last of all, likewise)
+        packing = "best_fit" if rng.random() < PACKING_SHARE else "concat"         # (and after it)
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
-                        mixture=mixture, permutation=permutation)
+                        mixture=mixture, permutation=permutation, packing=packing)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

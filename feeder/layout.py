@@ -65,14 +65,15 @@ class Bounds:
     @classmethod
     def from_bytes(cls, data: bytes, n: int, sample_len: int) -> "Bounds":
         """The inverse of to_bytes; ValueError when the bytes are not n samples' boundaries."""
-        a = np.frombuffer(data, dtype="<i4")
+        a = np.frombuffer(data, dtype="<i4")   # (views of the reply's bytes: a few per sample, not copied)
         if len(a) < 2 * n:
             raise ValueError(f"{len(data)} bytes hold no boundaries of {n} samples")
         counts, lengths, starts = a[:n], a[n:2 * n], a[2 * n:]
-        if int(counts.sum()) != len(starts) or np.any(counts < 0) or np.any((lengths < 1) | (lengths > sample_len)) \
-                or (len(starts) and (starts.min() < 0 or starts.max() >= sample_len)):
+        if counts.sum() != len(starts) or counts.min(initial=0) < 0 or lengths.min(initial=1) < 1 \
+                or lengths.max(initial=0) > sample_len or starts.min(initial=0) < 0 \
+                or starts.max(initial=0) >= sample_len:
             raise ValueError(f"the boundaries of {n} samples of {sample_len} tokens are malformed")
-        return cls(counts.astype(np.int32), lengths.astype(np.int32), starts.astype(np.int32))
+        return cls(counts, lengths, starts)
 
     @classmethod
     def join(cls, parts: list["Bounds"]) -> "Bounds":
@@ -96,21 +97,33 @@ class Bounds:
         return seg_start, mark
 
 
-def position_ids(b: Bounds, seq_len: int) -> np.ndarray:
+def segment_starts(b: Bounds, seq_len: int) -> np.ndarray:
+    """int64, sorted: where each segment of the inputs begins in the flattened k·seq_len inputs
+    (every sample's first input; each document start and padding start inside its inputs).
+    A handful per sample, from the compact boundaries alone: no pass over the tokens."""
+    k = len(b.counts)
+    row = np.arange(k, dtype=np.int64) * seq_len
+    starts = b.starts.astype(np.int64)
+    lengths = b.lengths.astype(np.int64)
+    cuts = np.concatenate((row, np.repeat(row, b.counts) + starts, row + lengths))
+    inside = np.concatenate((np.ones(k, bool), (starts > 0) & (starts < seq_len), lengths < seq_len))
+    return np.unique(cuts[inside])
+
+
+def position_ids(b: Bounds, seq_len: int, cuts: np.ndarray | None = None) -> np.ndarray:
     """int64 [k, seq_len] over the inputs: Megatron's reset_position_ids, counting from the later
-    of the sample's start and its segment's."""
-    seg_start, _ = b.segments(seq_len + 1)
-    return (np.arange(seq_len, dtype=np.int64) - seg_start[:, :seq_len])
+    of the sample's start and its segment's. `cuts`: segment_starts, if already made."""
+    cuts = segment_starts(b, seq_len) if cuts is None else cuts
+    total = len(b.counts) * seq_len
+    spans = np.diff(np.append(cuts, total))
+    return (np.arange(total, dtype=np.int64) - np.repeat(cuts, spans)).reshape(len(b.counts), seq_len)
 
 
-def cu_seqlens(b: Bounds, seq_len: int) -> np.ndarray:
+def cu_seqlens(b: Bounds, seq_len: int, cuts: np.ndarray | None = None) -> np.ndarray:
     """int32 FlashAttention varlen offsets of the segments over the flattened k·seq_len inputs,
     from 0 to k·seq_len."""
-    _, mark = b.segments(seq_len + 1)
-    mark = mark[:, :seq_len].copy()
-    mark[:, 0] = True
-    flat = np.flatnonzero(mark.reshape(-1))
-    return np.append(flat, len(b) * seq_len).astype(np.int32)
+    cuts = segment_starts(b, seq_len) if cuts is None else cuts
+    return np.append(cuts, len(b.counts) * seq_len).astype(np.int32)
 
 
 def label_crosses(b: Bounds, seq_len: int) -> np.ndarray:

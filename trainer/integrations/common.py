@@ -217,7 +217,9 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     if isinstance(obj, FeederBatch):
-        moved = {k: getattr(obj, k).to(device, non_blocking=True) for k in ("tokens", "position_ids", "cu_seqlens",
-                                                                            "loss_mask") if getattr(obj, k) is not None}
-        return dataclasses.replace(obj, **moved)
+        out = dataclasses.replace(obj, tokens=obj.tokens.to(device, non_blocking=True))
+        if obj.boundary_bytes is not None:   # what is made of them, made here and moved with the tokens
+            out._derived.update({k: getattr(obj, k).to(device, non_blocking=True)
+                                 for k in ("position_ids", "cu_seqlens", "loss_mask")})
+        return out
     return obj

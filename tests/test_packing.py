@@ -86,9 +86,10 @@ def formats(tmp_path_factory, docs):
 
 
 @pytest.fixture(scope="module")
-def feeder(formats):
+def feeder(formats, tmp_path_factory):
     srv = ServerThread(ServeConfig(sources=tuple((k, str(p)) for k, (p, _) in formats.items()),
-                                   listen="127.0.0.1:0", message_bytes=4096, vocab_size=257, eos_id=EOS))
+                                   listen="127.0.0.1:0", message_bytes=4096, vocab_size=257, eos_id=EOS,
+                                   ledger=str(tmp_path_factory.mktemp("ledger") / "ledger.jsonl")))
     yield srv
     srv.stop()
 
@@ -276,6 +277,10 @@ def test_best_fit_bins_hold_every_document_whole_and_every_token_once_an_epoch(f
     padding = 1 - n_tokens / (n_bins * (BIN + 1))
     assert f"{len(docs)} documents in {n_bins} bins, {100 * padding:.2f}% padding, {truncated} truncated" in line
     assert "per 10^6 documents" in line and render(fetch(feeder.address), feeder.address).caption
+    from feeder.audit import audit
+
+    [verdict] = audit([feeder.cfg.ledger], job="bf-epoch")      # `feeder audit` of the bins, unchanged
+    assert verdict["exactly_once"] and verdict["samples"] == n_bins and verdict["n_missing"] == 0
 
 
 def test_best_fit_resumes_exactly_from_random_cursors(feeder):

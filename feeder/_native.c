@@ -860,6 +860,39 @@ done:
     return out;
 }
 
+/* pieces(bufs, which, offs, lens, dest, out): out[dest[i]:dest[i] + lens[i]] =
+ * bufs[which[i]][offs[i]:offs[i] + lens[i]] (items): a best-fit bin's documents copied in from
+ * the memory-mapped chunks, one memcpy per piece, without the GIL (feeder.sources.packed). */
+static PyObject *pieces(PyObject *self, PyObject *args) {
+    PyObject *bufs_o, *which_o, *offs_o;
+    Py_buffer lens = {0}, dest = {0}, out = {0};
+    if (!PyArg_ParseTuple(args, "OOOy*y*w*", &bufs_o, &which_o, &offs_o, &lens, &dest, &out)) return NULL;
+    Py_ssize_t isz = out.itemsize > 0 ? out.itemsize : 1;
+    rows_t rows;
+    if (rows_get(bufs_o, which_o, offs_o, 0, isz, &rows) < 0) {
+        PyBuffer_Release(&lens); PyBuffer_Release(&dest); PyBuffer_Release(&out);
+        return NULL;
+    }
+    const int64_t *wv = rows.which.buf, *ov = rows.offs.buf, *lv = lens.buf, *dv = dest.buf;
+    Py_ssize_t k = rows.k, cap = out.len / isz;
+    int bad = lens.len != k * 8 || dest.len != k * 8;
+    for (Py_ssize_t i = 0; !bad && i < k; i++)
+        bad = lv[i] < 0 || ov[i] + lv[i] > rows.bufs[wv[i]].len / isz || dv[i] < 0 || dv[i] + lv[i] > cap;
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "pieces: a piece lies outside its buffer or the output");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < k; i++)
+            memcpy((unsigned char *)out.buf + (size_t)dv[i] * isz,
+                   (const unsigned char *)rows.bufs[wv[i]].buf + (size_t)ov[i] * isz, (size_t)lv[i] * isz);
+        Py_END_ALLOW_THREADS
+    }
+    rows_release(&rows);
+    PyBuffer_Release(&lens); PyBuffer_Release(&dest); PyBuffer_Release(&out);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ----------------------------------------------------------------- best-fit-decreasing packing
  * feeder/layout.py best_fit: items (document remainders, 1..capacity-1 tokens) taken longest
  * first (ties in index order), each into the fullest open bin it fits (ties: the bin that got
@@ -983,6 +1016,7 @@ static PyMethodDef methods[] = {
     {"sources", sources_field, METH_VARARGS, "sources(src i8[n], counts i8[k]) -> StreamReply.sources, entry j batch j's"},
     {"blend_checkpoints", blend_checkpoints, METH_VARARGS, "Megatron's blending counts every `every` slots"},
     {"blend_at", blend_at, METH_VARARGS, "Megatron's blending at given slots, from checkpoints"},
+    {"pieces", pieces, METH_VARARGS, "pieces(bufs, which, offs, lens, dest, out): variable-length rows into out"},
     {"best_fit", best_fit, METH_VARARGS,
      "best_fit(lengths u4[n], capacity, order i8[n] out, ptr i8[n + 1] out) -> bins: best-fit decreasing"},
     {"blend", blend, METH_VARARGS, "blend(weights f8[D], index i2[n] out, draw i8[n] out): Megatron's blending"},

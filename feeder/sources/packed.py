@@ -30,6 +30,11 @@ from feeder.errors import FailedPrecondition
 from feeder.layout import PACKED_PREFIX, PACKER, Bounds, Packing, best_fit
 from feeder.rows import Rows
 
+try:
+    from feeder._native import pieces as _pieces   # a bin's documents, one memcpy each, without the GIL
+except ImportError:  # no C compiler at install
+    _pieces = None
+
 log = logging.getLogger("feeder.packing")
 
 _directory: str = ""
@@ -77,11 +82,20 @@ class PackedTable:
         bins = self._bins(starts, n)
         counts, at, length, offset = self.packing.pieces(bins)
         out = np.full((len(bins), n), self.eos_id, dtype=self.dtype)
-        rows = np.repeat(np.arange(len(bins)), counts)
+        dest = np.repeat(np.arange(len(bins), dtype=np.int64) * n, counts) + offset
         flat = out.reshape(-1)
-        for r, a, ln, off in zip(rows.tolist(), at.tolist(), length.tolist(), offset.tolist()):
-            start = r * n + off
-            self.source.read(a, flat[start:start + ln])
+        bounds = self.source.chunk_starts
+        ks = np.searchsorted(bounds, at, side="right") - 1
+        inside = at + length <= bounds[ks + 1]
+        if _pieces is not None and inside.any():   # each piece from its verified chunk, one memcpy
+            chunks, which = np.unique(ks[inside], return_inverse=True)
+            bufs = [self.source.chunk(k) for k in chunks.tolist()]
+            _pieces(bufs, which.astype(np.int64), at[inside] - bounds[ks[inside]], length[inside], dest[inside], flat)
+            rest = np.flatnonzero(~inside)          # the few across two chunks
+        else:
+            rest = np.arange(len(at))
+        for i in rest.tolist():
+            self.source.read(int(at[i]), flat[dest[i]:dest[i] + length[i]])
         return Rows.of(out)
 
     def boundaries(self, starts: np.ndarray, n: int) -> Bounds:

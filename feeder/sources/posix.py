@@ -29,6 +29,10 @@ from feeder.rows import Rows
 
 log = logging.getLogger("feeder.source")
 
+# Chunks whose document starts are kept (int64 each: a 16 M-token chunk of web text holds some
+# 20 000 documents, 160 KB; 256 of them ~40 MB at most), the most recently asked.
+DOC_STARTS_KEPT = 256
+
 
 class PosixSource:
     """A prepped dataset directory (a `Source`): every rank's plan is a StreamPlan over it."""
@@ -123,7 +127,7 @@ class PosixSource:
         got = rel + self._starts[k]
         with self._lock:
             self._doc_starts[k] = got
-            while len(self._doc_starts) > 4096:
+            while len(self._doc_starts) > DOC_STARTS_KEPT:
                 self._doc_starts.popitem(last=False)
         return got
 

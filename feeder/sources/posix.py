@@ -115,10 +115,13 @@ class PosixSource:
         rel = self._chunk_doc_starts(si, ci)
         size = self._starts[k + 1] - self._starts[k]
         if rel is None:   # by EOS: a document starts after each EOS (and at the stream's start)
-            arr = self.chunk(k)
-            rel = np.flatnonzero(arr[:-1] == self.eos_id) + 1
-            prev = np.empty(1, dtype=self.dtype)
-            if k == 0 or (self.read(self._starts[k] - 1, prev), int(prev[0]) == self.eos_id)[1]:
+            rel = np.flatnonzero(self.chunk(k)[:-1] == self.eos_id) + 1
+            first = k == 0
+            if not first:   # the chunk's first token starts one if the token before it is an EOS
+                before = np.empty(1, dtype=self.dtype)
+                self.read(self._starts[k] - 1, before)
+                first = int(before[0]) == self.eos_id
+            if first:
                 rel = np.concatenate(([0], rel))
         rel = np.unique(np.asarray(rel, dtype=np.int64))   # (an empty document starts nothing)
         if len(rel) and (rel[0] < 0 or rel[-1] >= size):

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: env proto demo test test-fast docs bench soak kafka kafka-stop toxiproxy regions clean
+.PHONY: env proto demo demo-packing test test-fast docs bench soak kafka kafka-stop toxiproxy regions clean
 
 env: $(STAMP)
 
@@ -26,6 +26,11 @@ proto: env
 
 demo: env
 	$(PY) -m feeder_trainer.demo
+
+# The same training on best-fit bins of whole documents with Megatron's three flags from the
+# served boundaries (docs/packing.md): prints the padding fraction and the loss.
+demo-packing: env
+	$(PY) -m feeder_trainer.demo --packing
 
 # The documentation site (docs/, mkdocs.yml) into site/. Strict: a broken link, a page missing
 # from the nav or a bad setting is an error, not a warning.

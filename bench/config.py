@@ -24,7 +24,7 @@ class BenchConfig:
     kafka: str = "127.0.0.1:9092"     # "" to skip the Kafka figures
     quick: bool = False
     rounds: int = 3                    # of the ceilings and the feeder, interleaved; medians reported
-    only: str = ""                     # "formats" | "mixture" | "scale" | "kafka": only those figures (issues 19, 18, 25, 26)
+    only: str = ""                     # "formats" | "mixture" | "scale" | "kafka" | "packing": only those figures (issues 19, 18, 25, 26, 27)
 
     def __post_init__(self):
         from feeder.config import _positive

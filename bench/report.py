@@ -58,6 +58,8 @@ def table(r: dict) -> str:
         return "\n".join(f"{k:<30} {v}" for k, v in _mixture_rows(r))
     if r["config"].get("only") == "kafka":
         return "\n".join(f"{k:<30} {v}" for k, v in _kafka_rows(r))
+    if r["config"].get("only") == "packing":
+        return "\n".join(f"{k:<34} {v}" for k, v in _packing_rows(r))
 
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
@@ -201,3 +203,19 @@ def _mixture_rows(r: dict) -> list[tuple[str, str]]:
                                  f"{m['ratio']:.2f}x one source's {m['single_tokens_s'] / 1e6:,.1f} (same feeder, "
                                  f"interleaved rounds: {', '.join(f'{x / 1e6:,.0f}' for x in m['rounds']['mixture'])} vs "
                                  f"{', '.join(f'{x / 1e6:,.0f}' for x in m['rounds']['single'])})")]
+
+
+def _packing_rows(r: dict) -> list[tuple[str, str]]:
+    """Boundaries' and best-fit packing's costs (bench/packing.py)."""
+    p = r["packing"]
+    med, c, w = p["tokens_s"], p["corpus"], p["web_10M"]
+    return [("tokens/s, concat windows", f"{med['concat']:,.0f}"),
+            ("tokens/s, with boundaries", f"{med['boundaries']:,.0f} ({100 * (p['boundaries_ratio'] - 1):+.1f} %, "
+                                          "target >= -3 %)"),
+            ("tokens/s, best-fit bins", f"{med['best_fit']:,.0f} ({100 * (p['best_fit_ratio'] - 1):+.1f} %)"),
+            ("boundaries on the wire", f"{100 * p['boundaries_wire_share']:.2f} % of the tokens' bytes"),
+            ("bench corpus packed", f"{c['documents']:,} documents in {c['bins']:,} bins, "
+                                    f"{100 * c['padding_fraction']:.2f} % padding, {c['truncated']:,} truncated, "
+                                    f"{c['pack_s']:.2f} s (+{c['read_doc_starts_s']:.2f} s reading document starts)"),
+            ("10^7 web-like documents packed", f"{w['pack_s']:.1f} s (target <= 60 s), {w['bins']:,} bins, "
+                                               f"{100 * w['padding_fraction']:.3f} % padding (target <= 3 %)")]

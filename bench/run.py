@@ -41,6 +41,10 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
                 res.update(scale_figures(cfg))
             elif cfg.only == "kafka":
                 _kafka(cfg, data, res)
+            elif cfg.only == "packing":
+                from .packing import packing_figures
+
+                res.update(packing_figures(cfg, data, clients))
             else:
                 _mixture(cfg, data, clients, feeders, res)
         finally:

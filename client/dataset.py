@@ -46,6 +46,12 @@ class FeederDataset(IterableDataset):
             feeder builds it once per epoch (O(n), ahead of need, shared). "stateless": a seeded
             random-access bijection of the epoch (O(1), instant at any size), a new one per epoch;
             not torch's order. docs/scale.md, "Choosing an order".
+        boundaries, packing: document-aware samples (docs/packing.md). boundaries=True: each batch
+            also has `position_ids`, `cu_seqlens` and `loss_mask` (and `boundaries`, what
+            feeder_client.packing turns into each stack's inputs). packing="best_fit": a sample is
+            a bin of whole documents (best-fit decreasing; only documents longer than a bin are
+            cut), padded, with boundaries; "concat" (the default): windows of the documents
+            concatenated.
         cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
             batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
         read_ahead .. keep_freed_memory, connect_timeout_s: how the stream is carried
@@ -74,7 +80,7 @@ class FeederDataset(IterableDataset):
                  failback_s: float = 60.0, pin_memory: bool | None = None,
                  keep_freed_memory: bool = True, mixture: Mapping[str, float] | Sequence | None = None,
                  epoch_samples: int = 0, remix: bool = False, permutation: str = "torch",
-                 connect_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 30.0, boundaries: bool = False, packing: str = "concat"):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -87,6 +93,7 @@ class FeederDataset(IterableDataset):
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
                                bad_records=bad_records, client_started_ns=process_started_ns(),
                                mixture=mixture_pairs(mixture), remix=remix, permutation=permutation,
+                               boundaries=boundaries, packing=packing,
                                epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__")
                                and not isinstance(epoch_samples, bool) else epoch_samples)
         self.targets = tuple(targets)

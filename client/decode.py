@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import google_crc32c
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from feeder.errors import Code, FeederError
+from feeder.layout import Bounds, cu_seqlens, position_ids, segment_starts
 from feeder.v1 import feeder_pb2 as pb
 
 DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_UINT32: np.dtype("<u4")}
@@ -40,6 +41,56 @@ class FeederBatch:
     # A mixture's: int64 [n], the index in the mixture of each sample's source (sample_ids are
     # then ids within that source). None without a mixture.
     sources: torch.Tensor | None = None
+    # Streams with boundaries (FeederDataset(boundaries=True), and every packed stream): the
+    # batch's entry of StreamReply.boundaries as it came, a few bytes per sample. `boundaries`
+    # (feeder.layout.Bounds), position_ids, cu_seqlens and loss_mask are made of it when first
+    # read, in the loop that reads them: the stream's reader thread, which every batch passes,
+    # does no work per token for them. None without boundaries.
+    boundary_bytes: bytes | None = None
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def boundaries(self) -> Bounds | None:
+        """Where documents start inside each sample, and where a bin's padding begins
+        (feeder.layout.Bounds; what feeder_client.packing's helpers read). Raises FeederError
+        (DATA_LOSS) when the bytes that came are not this batch's boundaries."""
+        got = self._derived.get("boundaries")
+        if got is None and self.boundary_bytes is not None:
+            n, sample_len = self.tokens.shape
+            try:
+                got = self._derived["boundaries"] = Bounds.from_bytes(self.boundary_bytes, n, sample_len)
+            except ValueError as e:
+                raise FeederError(f"batch epoch {self.epoch} step {self.step}: {e}", code=Code.DATA_LOSS) from None
+        return got
+
+    def _made(self, name: str) -> torch.Tensor | None:
+        got = self._derived.get(name)
+        if got is None and self.boundary_bytes is not None:
+            b, seq_len = self.boundaries, self.tokens.shape[1] - 1
+            cuts = segment_starts(b, seq_len)
+            self._derived.update(
+                position_ids=torch.from_numpy(position_ids(b, seq_len, cuts)),
+                cu_seqlens=torch.from_numpy(cu_seqlens(b, seq_len, cuts)),
+                loss_mask=torch.from_numpy((np.arange(1, seq_len + 1, dtype=np.int32) < b.lengths[:, None])
+                                           .astype(np.float32)))
+            got = self._derived[name]
+        return got
+
+    @property
+    def position_ids(self) -> torch.Tensor | None:
+        """int64 [n, seq_len] over the inputs tokens[:, :-1], restarting at each document
+        (Megatron's reset_position_ids)."""
+        return self._made("position_ids")
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        """int32: FlashAttention's varlen offsets of the documents over the flattened n·seq_len inputs."""
+        return self._made("cu_seqlens")
+
+    @property
+    def loss_mask(self) -> torch.Tensor | None:
+        """float32 [n, seq_len]: 0 where the label tokens[:, 1:] is a bin's padding."""
+        return self._made("loss_mask")
 
 
 def pinned(n: int, sample_len: int) -> torch.Tensor:
@@ -53,7 +104,8 @@ def pinned(n: int, sample_len: int) -> torch.Tensor:
 
 
 def decode(b: pb.Batch, region: str = "",
-           alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None) -> FeederBatch:
+           alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None,
+           boundaries: bytes | None = None) -> FeederBatch:
     """One batch's tensors; FeederError(DATA_LOSS) when the batch is corrupt.
 
     The tokens are widened from the reply into their int64 tensor in one pass: into a fresh
@@ -84,4 +136,4 @@ def decode(b: pb.Batch, region: str = "",
                               f"samples, expected {b.n}", code=Code.DATA_LOSS)
         src = torch.from_numpy(np.frombuffer(sources, dtype="<i8").astype(np.int64))
     return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region,
-                       sources=src)
+                       sources=src, boundary_bytes=boundaries)

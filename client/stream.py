@@ -28,7 +28,7 @@ from .handoff import END as _END
 from .handoff import Handoff
 from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
 from .transport import Transport, channel_options, feeder_info, measure_rtt
-from feeder.errors import COMPLETE, ELSEWHERE, END, FeederError
+from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
 from feeder.malloc import keep_freed_memory
 from feeder.order import torch_kind
 from feeder.security import explain
@@ -400,8 +400,14 @@ class FeederClient:
         run, size = [], max(1, self._q.capacity // 2)
         try:
             sources = reply.sources   # a mixture's: one entry per batch
+            bounds = reply.boundaries   # a stream's with boundaries: one entry per batch
+            if self.cfg.spec.boundaries and len(bounds) != len(reply.batches):
+                raise FeederError(f"the feeder sent {len(bounds)} batches' boundaries for {len(reply.batches)} batches "
+                                  "of a stream that asked for them (a feeder release without boundaries?)",
+                                  code=Code.FAILED_PRECONDITION)
             for j, b in enumerate(reply.batches):
-                run.append(decode(b, reply.region, self._alloc, sources[j] if sources else None))
+                run.append(decode(b, reply.region, self._alloc, sources[j] if sources else None,
+                                  bounds[j] if bounds else None))
                 if len(run) >= size:
                     if not self._hand(run):
                         return False

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from feeder.errors import InvalidArgument
+from feeder.layout import PACKINGS
 from feeder.order import KINDS
 
 COMPRESSIONS = ("none", "zstd")
@@ -158,6 +159,11 @@ class StreamSpec:
     # The epoch's order (feeder.order.KINDS): torch's randperm as the client's torch release
     # draws it ("torch" from 2.7, "torch-legacy" before; "" from an older client), or "stateless".
     permutation: str = ""
+    # Document-aware samples (docs/packing.md): "concat" (windows of the packed stream) or
+    # "best_fit" (bins of whole documents, padded); and whether each batch carries where its
+    # documents start (packed batches always do).
+    packing: str = "concat"
+    boundaries: bool = False
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -177,7 +183,7 @@ class StreamSpec:
                                   f"got {self.epoch} + {self.num_epochs}")
         _mixture(self.mixture, self.dataset)
         _non_negative("epoch_samples", self.epoch_samples, upper=MAX_EPOCH_SAMPLES)
-        for flag in ("shuffle", "drop_last", "reshard", "continued", "remix"):
+        for flag in ("shuffle", "drop_last", "reshard", "continued", "remix", "boundaries"):
             _flag(flag, getattr(self, flag))
         # "": the feeder chooses, and it may choose zstd at this level.
         _compression("compression", self.compression or "zstd", self.compression_level)
@@ -187,6 +193,10 @@ class StreamSpec:
         if self.permutation not in KINDS:
             raise InvalidArgument(f"permutation must be torch or stateless (torch-legacy: torch before 2.7), "
                                   f"got {shown(self.permutation)}")
+        if self.packing not in PACKINGS:
+            raise InvalidArgument(f"packing must be concat or best_fit, got {shown(self.packing)}")
+        if self.packing == "best_fit" and not self.boundaries:   # a bin's documents are what it is for
+            object.__setattr__(self, "boundaries", True)
         if self.bad_records not in BAD_RECORD_POLICIES:
             raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
                                   f"got {shown(self.bad_records)}")

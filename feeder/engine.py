@@ -14,6 +14,7 @@ from typing import Callable
 
 from feeder import __version__, preparing
 from feeder import mixture as blending
+from feeder.sources import packed
 from feeder.config import ServeConfig, StreamSpec
 from feeder.cursor import Cursor, Mixture
 from feeder.errors import InvalidArgument, NotFound, Unavailable
@@ -72,6 +73,7 @@ class Engine:
             region=region, uptime_s=time.monotonic() - self.started, streams_open=self.jobs.streams_open,
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
             building=tuple(b.describe() for b in self.orders.builds()),
+            packings=tuple(packed.describe(p) for p in packed.built()),
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,

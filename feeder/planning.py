@@ -106,13 +106,14 @@ class StreamPlan:
     executor = None   # the pipeline's shared pool: planning and locating rows never block
 
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
-                 src: Position = None, data=None, largest: int = 0):
+                 src: Position = None, data=None, largest: int = 0, n_samples: int = 0):
         self.fingerprint = fingerprint
         self.src = src               # carried in every cursor (Kafka bounded: the frozen epoch, KafkaEpoch)
         self.data = data
         self.dtype = data.dtype if data is not None else np.dtype(np.uint32)
         self.bad_records = 0         # records a Kafka epoch skipped (set by its source)
-        self.n = sampler.n_samples(n_tokens, spec.seq_len)
+        # (n_samples: a layout of its own, best-fit bins; else concat windows of the tokens)
+        self.n = n_samples or sampler.n_samples(n_tokens, spec.seq_len)
         if self.n == 0:
             raise FailedPrecondition(f"the dataset has {n_tokens} tokens, too few for one sample of "
                                      f"seq_len + 1 = {spec.seq_len + 1} tokens")
@@ -191,6 +192,10 @@ class StreamPlan:
     def locate(self, starts: np.ndarray, n: int):
         """Where rows [starts[i], starts[i] + n) of the dataset lie (Rows, or the tokens)."""
         return self.data.locate(starts, n)
+
+    def boundaries(self, starts: np.ndarray, n: int):
+        """Where documents start inside those rows (feeder.layout.Bounds)."""
+        return self.data.boundaries(starts, n)
 
     def taken(self, step: int) -> None:
         """The rank's training loop has taken the batch of `step`: nothing to pass on."""

@@ -54,3 +54,4 @@ class ProcessStatus:
     scrubbed_bytes: int = 0
     building: tuple[str, ...] = ()   # builds under way (epoch orders), each with how far
     preparing: tuple[str, ...] = ()   # what streams that cannot start yet wait for (feeder.preparing)
+    packings: tuple[str, ...] = ()   # the best-fit packings served (feeder.sources.packed.describe)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from feeder.config import StreamSpec
 from feeder.errors import FailedPrecondition
+from feeder.layout import PACKED_PREFIX
 
 # The epoch's order and its samples (with the dataset's fingerprint). `permutation` as the plan
 # agreed it (feeder.order.agreed): "" wherever the torch releases' orders are the same.
@@ -22,7 +23,10 @@ DEAL = ("world_size", "rank")
 BATCHES = ("micro_batch", "epoch", "num_epochs")
 
 # What every rank of a job must share.
-JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES)
+# `packing` decides the samples too, but through the fingerprint a plan gives its cursors (a
+# packed stream's is its packing's: feeder.sources.packed); `boundaries` decides what a batch
+# carries, and ranks of one model must see the same.
+JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES, "packing", "boundaries")
 # What a cursor records of the stream that wrote it, and a resumed stream must match
 # (world_size and rank only without reshard: re-dealing to another world is what reshard is for).
 CURSOR = ("job", "fingerprint", *SAMPLES, *DEAL)
@@ -47,6 +51,11 @@ def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
                               f"{name}={theirs!r}. Every rank of a job must agree.{hint}")
 
 
+def packed_kind(fingerprint: str) -> str:
+    """The packing a stream's fingerprint says its samples have (feeder.sources.packed.identity)."""
+    return "best_fit" if fingerprint.startswith(PACKED_PREFIX) else "concat"
+
+
 def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple[str, ...] | None = None
                     ) -> FailedPrecondition | None:
     """Why `cursor` cannot resume the stream `spec` over data `fingerprint` (None: it fits).
@@ -62,6 +71,9 @@ def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple
         theirs = getattr(cursor, name)
         ours = fingerprint if name == "fingerprint" else getattr(spec, name)
         if theirs != ours:
+            if name == "fingerprint" and packed_kind(theirs) != packed_kind(ours):   # not another replica's data
+                return FailedPrecondition(f"cursor does not fit this stream: packing differs: the cursor is of "
+                                          f"{packed_kind(theirs)} samples, the request asks for {packed_kind(ours)}")
             if name == "permutation":   # "": torch's, where every release draws the same (feeder.order.agreed)
                 theirs, ours = theirs or "torch", ours or "torch"
             shown = "dataset fingerprint" if name == "fingerprint" else name

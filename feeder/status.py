@@ -54,6 +54,8 @@ def render(reply, target: str):
                       r.last_error[:60])
     if not reply.jobs:
         t.caption = "no jobs yet"
+    if reply.packings:    # best-fit packings served: documents cut, padding, how long they took
+        t.caption = "\n".join(["packing: " + p for p in reply.packings] + ([t.caption] if t.caption else []))
     if reply.preparing:   # streams wait for these before their first batch
         t.caption = "\n".join(["preparing: " + p for p in reply.preparing] + ([t.caption] if t.caption else []))
     return t

@@ -51,6 +51,40 @@ def byte_stream(docs: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
+def packed_bins(docs: list[str], seq_len: int) -> np.ndarray:
+    """Best-fit-decreasing bins of the documents under the byte tokenizer, computed from the rule
+    (docs/packing.md) without the feeder's code: int64 [bins, seq_len + 1], EOS-padded.
+
+    Each document with its EOS; one longer than a bin cut into bin-sized pieces (each a bin, in
+    stream order, before the rest), its remainder packed with the others: longest first (ties in
+    stream order), each into the fullest open bin it fits (ties: the latest to reach that fill),
+    else a new bin."""
+    cap = seq_len + 1
+    whole, items = [], []
+    for d in docs:
+        toks = [*d.encode("utf-8"), 256]
+        cut = len(toks) - len(toks) % cap
+        whole += [toks[a:a + cap] for a in range(0, cut, cap)]
+        if cut < len(toks):
+            items.append(toks[cut:])
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []      # per bin: (room left, when it got there)
+    for t, i in enumerate(sorted(range(len(items)), key=lambda i: (-len(items[i]), i))):
+        fits = [b for b in range(len(bins)) if room[b][0] >= len(items[i])]
+        if fits:
+            b = min(fits, key=lambda b: (room[b][0], -room[b][1]))
+        else:
+            b = len(bins)
+            bins.append([])
+            room.append((cap, t))
+        bins[b] += items[i]
+        room[b] = (cap - len(bins[b]), t)
+    out = np.full((len(whole) + len(bins), cap), 256, dtype=np.int64)
+    for r, toks in enumerate(whole + bins):
+        out[r, :len(toks)] = toks
+    return out
+
+
 def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, drop_last: bool, epoch: int,
                   permutation: str = "torch") -> list[int]:
     """torch's DistributedSampler's list; with the stateless order, its dealing (interleave,
@@ -119,6 +153,22 @@ def served_until_error(batches):
         for b in batches:
             served.append(b)
     return served, e.value
+
+
+def take_killing(ds, feeders, points, limit: int = 0) -> tuple[list, int]:
+    """Iterate ds (up to `limit` batches; 0: to its end), SIGKILLing the feeder serving it after
+    each batch index in `points` and starting it again on its port: (the batches, kills)."""
+    got, kills = [], 0
+    for k, b in enumerate(ds):
+        got.append(b)
+        if kills < len(points) and k == points[kills]:
+            victim = next(f for f in feeders if f.address == ds.client.target)
+            victim.signal(signal.SIGKILL)
+            victim.start()
+            kills += 1
+        if len(got) == limit:
+            break
+    return got, kills
 
 
 def refused(r: subprocess.CompletedProcess, *words: str) -> str:

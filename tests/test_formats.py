@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,8 @@ from feeder.service.server import ServerThread
 from feeder.sources.posix import open_source
 from feeder_client import FeederDataset
 from tests import format_writers as W
-from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, refused, served_until_error
+from tests.helpers import (FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, refused,
+                           served_until_error, take_killing)
 
 VOCAB = ["--vocab-size", "257", "--eos-id", "256"]     # the byte tokenizer's
 SEQ, SEED = 16, 5
@@ -171,14 +171,7 @@ def test_sigkilled_feeder_fails_over_to_a_feeder_reading_a_copy(fmt, corpora, tm
         points = sorted(random.Random(fmt).sample(range(3, n_batches - 3), 6))
         ds = FeederDataset([f.address for f in feeders], job=f"kill-{fmt}", rank=0, world_size=2, seq_len=SEQ,
                            micro_batch=4, seed=SEED, read_ahead=2, retry_for_s=60)
-        got, kills = [], 0
-        for k, b in enumerate(ds):
-            got.append(b)
-            if kills < len(points) and k == points[kills]:
-                victim = next(f for f in feeders if f.address == ds.client.target)
-                victim.signal(signal.SIGKILL)
-                victim.start()
-                kills += 1
+        got, kills = take_killing(ds, feeders, points)
         assert kills == len(points)
         check_batches(got, stream, SEQ, want)
     finally:

@@ -185,3 +185,25 @@ def test_a_mixtures_sources_follow_the_batches_in_both_writers(counts):
         reply = pb.StreamReply.FromString(data)
         assert [np.frombuffer(s, "<i8").tolist() for s in reply.sources] == want
         assert len(reply.batches) == len(counts) and reply.region == "r"
+
+
+def test_boundaries_follow_the_batches_one_entry_each():
+    """StreamReply.boundaries (issue 27): one entry per batch, its samples' counts, lengths and
+    starts, whichever writer frames the reply."""
+    import dataclasses
+
+    from feeder.layout import Bounds
+
+    rng = np.random.default_rng(27)
+    b = block([8, 1, 5, 200], sample_len=300)
+    counts = rng.integers(0, 4, size=214).astype(np.int32)
+    bounds = Bounds(counts, rng.integers(1, 301, size=214).astype(np.int32),
+                    rng.integers(0, 300, size=int(counts.sum())).astype(np.int32))
+    b = dataclasses.replace(b, boundaries=bounds)
+    for ours in (wire.encode_reply(b, "r"), wire.encode_reply_py(b, "r") + wire._boundaries(b)):
+        reply = pb.StreamReply.FromString(ours)
+        assert len(reply.boundaries) == 4 and reply.batches[3].n == 200
+        at = 0
+        for j, n in enumerate([8, 1, 5, 200]):
+            assert reply.boundaries[j] == bounds.part(at, at + n).to_bytes()
+            at += n

@@ -60,7 +60,9 @@ def rope_tables(head_dim: int, max_len: int, theta: float):
 def apply_rope(x, cos, sin):
     # x: [B, H, T, hd]; rotate pairs (x1, x2) of the two halves
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    if cos.dim() == 2:   # the table; else already taken at each sample's positions ([B, 1, T, hd/2])
+        cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -74,11 +76,14 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(c.d_model, 2 * c.d_ff, bias=False)
         self.down = nn.Linear(c.d_ff, c.d_model, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, masked=None):
         B, T, D = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if masked is None:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:   # Megatron's mask (True: masked out); SDPA's bool mask says where attention may go
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked)
         x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)  # SwiGLU
@@ -101,18 +106,27 @@ class DecoderLM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, tokens, per_sample: bool = False):
+    def forward(self, tokens, per_sample: bool = False, *, position_ids=None, attention_mask=None, loss_mask=None):
         """tokens: int64 [B, T+1] (inputs + shifted labels) -> mean cross-entropy loss; with
-        per_sample, each sample's mean too ([B], for per-source losses of a mixture)."""
+        per_sample, each sample's mean too ([B], for per-source losses of a mixture).
+
+        Megatron's inputs from a batch's boundaries (feeder_client.packing.megatron_inputs):
+        position_ids [B, T] (RoPE at each token's position in its document), attention_mask
+        bool [B, 1, T, T] (True: masked out), loss_mask [B, T] (the loss is its weighted mean)."""
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         x = self.embed(inputs)
+        cos, sin = self.cos, self.sin
+        if position_ids is not None:
+            cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]
         for blk in self.blocks:
-            x = blk(x, self.cos, self.sin)
+            x = blk(x, cos, sin, attention_mask)
         logits = F.linear(self.norm(x), self.embed.weight)  # tied embeddings
-        if not per_sample:
-            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         each = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        each = each.view(labels.shape).mean(1)
+        each = each.view(labels.shape)
+        weight = torch.ones_like(each) if loss_mask is None else loss_mask.to(each.dtype)
+        if not per_sample:
+            return (each * weight).sum() / weight.sum().clamp(min=1)
+        each = (each * weight).sum(1) / weight.sum(1).clamp(min=1)
         return each.mean(), each
 
     def n_params(self) -> int:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from feeder.security import ClientSecurity
 from feeder_client import FeederDataset, feeder_info
+from feeder_client.packing import megatron_inputs
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,6 +59,13 @@ def parse_args(argv=None):
                    "NAME=WEIGHT,... (e.g. web=0.7,code=0.3); logs the loss per source")
     p.add_argument("--remix", action="store_true", help="with --resume: continue under a --mixture other than "
                    "the checkpoint's (the epoch's rest re-dealt under the new weights)")
+    # Document-aware samples (docs/packing.md): Megatron-LM's three flags, from the boundaries the
+    # feeder serves (each asks for them), and best-fit packing of whole documents.
+    p.add_argument("--packing", default="concat", choices=["concat", "best_fit"],
+                   help="concat: windows of the documents concatenated; best_fit: bins of whole documents, padded")
+    p.add_argument("--reset-position-ids", action="store_true", help="positions restart at each document")
+    p.add_argument("--reset-attention-mask", action="store_true", help="attention stays inside each document")
+    p.add_argument("--eod-mask-loss", action="store_true", help="no loss where the input is the EOD (EOS) token")
     p.add_argument("--crash-at-step", type=int, default=0, help="fault injection: rank 0 dies at this step")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
@@ -192,9 +200,13 @@ def make_dataset(args, targets, rank: int, world: int, cursor, reshard: bool, fi
                          micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
                          num_epochs=args.epochs, cursor=cursor, reshard=reshard,
                          expected_fingerprint="" if mixture else fingerprint, compression=args.compression,
-                         prefer=args.prefer,
+                         prefer=args.prefer, packing=args.packing, boundaries=wants_boundaries(args),
                          tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          token_file=args.token_file)
+
+
+def wants_boundaries(args) -> bool:
+    return args.packing != "concat" or args.reset_position_ids or args.reset_attention_mask or args.eod_mask_loss
 
 
 @dataclass
@@ -208,6 +220,7 @@ class Run:
     batches: Iterator
     say: Callable[..., None]
     ids_log: Any = None  # DIR/rank{R}.jsonl with --log-ids
+    eos_id: int = -1     # the dataset's (Megatron's EOD, for --eod-mask-loss)
 
 
 def meter() -> dict:
@@ -232,10 +245,18 @@ def one_step(run: Run, step: int, window: dict, total: dict) -> bool:
         if batch is None:
             return False
         tokens = batch.tokens.to(run.engine.device, non_blocking=True)
+        kw = {}
+        if batch.boundaries is not None:   # Megatron's masks from the served boundaries
+            a = run.args
+            m = megatron_inputs(batch, eod_token=run.eos_id, reset_position_ids=a.reset_position_ids,
+                                reset_attention_mask=a.reset_attention_mask, eod_mask_loss=a.eod_mask_loss)
+            kw = {k: m[k].to(run.engine.device, non_blocking=True) for k in ("position_ids", "loss_mask")}
+            if a.reset_attention_mask:
+                kw["attention_mask"] = m["attention_mask"].to(run.engine.device, non_blocking=True)
         if batch.sources is None:
-            loss = run.engine(tokens)
+            loss = run.engine(tokens, **kw)
         else:   # a mixture: each sample's loss, summed per source for the log
-            loss, each = run.engine(tokens, per_sample=True)
+            loss, each = run.engine(tokens, per_sample=True, **kw)
             each = each.detach().float().cpu()
             for d in batch.sources.unique().tolist():
                 sel = batch.sources == d
@@ -336,7 +357,7 @@ def main(argv=None) -> int:
         return 2
     cursor, reshard, step = start
     data = make_dataset(args, targets, rank, world, cursor, reshard, fingerprint)
-    run = Run(args, rank, world, engine, data, iter(data), say)
+    run = Run(args, rank, world, engine, data, iter(data), say, eos_id=info.eos_id)
     if args.log_ids:
         Path(args.log_ids).mkdir(parents=True, exist_ok=True)
         run.ids_log = open(Path(args.log_ids) / f"rank{rank}.jsonl", "a", buffering=1)  # lines survive a crash

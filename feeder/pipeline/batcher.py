@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from feeder.cursor import CursorWriter
+from feeder.layout import Bounds
 from feeder.planning import PlannedRun
 from feeder.rows import Rows
 from feeder.sources import Plan
@@ -43,6 +44,7 @@ class Block:
                                  # reply writer to copy straight into the reply (one copy, not two)
     sources: np.ndarray | None = None   # int64 [sum(counts)]: a mixture's source of each sample,
     positions: np.ndarray | None = None  # and the epoch position it fills (for the ledger)
+    boundaries: Bounds | None = None     # where documents start in each sample (streams with boundaries)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -56,7 +58,8 @@ class Block:
         queued message then holds its memory once, not twice. `copy_s`: time the reply writer
         spent cutting rows from the source, which counts as reading it (that copy is where
         a memory-mapped file is actually read)."""
-        return dataclasses.replace(self, tokens=None, payloads=None, rows=None, read_s=self.read_s + copy_s)
+        return dataclasses.replace(self, tokens=None, payloads=None, rows=None, boundaries=None,
+                                   read_s=self.read_s + copy_s)
 
     def token_array(self) -> np.ndarray:
         """The tokens as one [sum(counts), sample_len] array (gathered if they are still rows)."""
@@ -82,7 +85,7 @@ def _zstd(level: int) -> pa.Codec:
 
 def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
            samples_in_epoch: int, read_s: float, dtype: np.dtype, sources: np.ndarray | None = None,
-           positions: np.ndarray | None = None) -> Block:
+           positions: np.ndarray | None = None, boundaries: Bounds | None = None) -> Block:
     tokens, payloads = None, None
     sample_len = rows.n
     raw_bytes = len(rows) * sample_len * dtype.itemsize
@@ -99,7 +102,7 @@ def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str,
                  compression=compression, sample_len=sample_len, samples_in_epoch=samples_in_epoch,
                  raw_bytes=raw_bytes, read_s=read_s,
                  payload_bytes=raw_bytes if payloads is None else sum(map(len, payloads)), sources=sources,
-                 positions=positions)
+                 positions=positions, boundaries=boundaries)
 
 
 def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
@@ -112,10 +115,15 @@ def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compres
         sources = runs[0].sources if len(runs) == 1 else np.concatenate([r.sources for r in runs])
         positions = runs[0].positions if len(runs) == 1 else np.concatenate([r.positions for r in runs])
     t0 = time.perf_counter()
+    bounds: Bounds | None = None
     if sources is not None:
         rows = plan.locate(ids * seq_len, seq_len + 1, sources)
+        if plan.spec.boundaries:
+            bounds = plan.boundaries(ids * seq_len, seq_len + 1, sources)
     elif runs[0].tokens is None:
         rows = plan.locate(ids * seq_len, seq_len + 1)
+        if plan.spec.boundaries:
+            bounds = plan.boundaries(ids * seq_len, seq_len + 1)
     else:
         rows = Rows.of(runs[0].tokens if len(runs) == 1 else np.concatenate([r.tokens for r in runs]))
     read_s = time.perf_counter() - t0
@@ -137,4 +145,4 @@ def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compres
     return _block(rows, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
                   steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
                   samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=plan.dtype, sources=sources,
-                  positions=positions)
+                  positions=positions, boundaries=bounds)

@@ -101,7 +101,8 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records,
                       client_started_ns=r.client_started_ns, continued=r.continued,
                       mixture=tuple((m.source, m.weight) for m in r.mixture), epoch_samples=r.epoch_samples,
-                      remix=r.remix, permutation=r.permutation)
+                      remix=r.remix, permutation=r.permutation, packing=r.packing or "concat",
+                      boundaries=r.boundaries)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
@@ -125,7 +126,8 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns,
         continued=s.continued if continued is None else continued,
         mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
-        remix=s.remix, permutation=s.permutation if permutation is None else permutation)
+        remix=s.remix, permutation=s.permutation if permutation is None else permutation,
+        packing="" if s.packing == "concat" else s.packing, boundaries=s.boundaries)
 
 
 def waiting_reply(region: str, waiting: str) -> bytes:
@@ -139,7 +141,8 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
     reply = pb.StatusReply(region=status.region, uptime_s=status.uptime_s, streams_open=status.streams_open,
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
                            processes=status.processes, chunks_changed=status.chunks_changed,
-                           scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing)
+                           scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
+                           packings=status.packings)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:

@@ -15,6 +15,7 @@ from feeder import sampler
 from feeder.config import ServeConfig
 from feeder.engine import Engine
 from feeder.errors import Unavailable
+from feeder.sources import packed
 from feeder.service.wire import encode_reply
 from feeder.service.servicer import FeederServicer, add_to_server, status_reply
 from feeder.sources import Source
@@ -73,6 +74,7 @@ class Server:
         # This process's streams take large torch orders from this feeder's store (the last
         # started, where one process runs several feeders: tests, benchmarks).
         sampler.use_order_store(self.engine.orders)
+        packed.use_directory(cfg.cache)   # best-fit bins: built once into the cache directory, shared
         self.stopped = asyncio.Event()
         self.metrics_server = None
         self.metrics_address = ""

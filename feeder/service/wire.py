@@ -12,6 +12,7 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
+from feeder.layout import ranges
 from feeder.pipeline.batcher import Block
 from feeder.service.convert import COMPRESSION_ENUM, DTYPE_ENUM
 
@@ -79,34 +80,59 @@ def _sources(block: Block) -> bytes:
 
 def _sources_np(block: Block) -> bytes:
     """_sources without the C extension."""
-    src = np.ascontiguousarray(block.sources, dtype="<i8").view(np.uint8)
-    size = 8 * block.counts.astype(np.int64)          # each entry: key, varint(size), the sources
+    return _entries(3, np.ascontiguousarray(block.sources, dtype="<i8").view(np.uint8), 8 * block.counts)
+
+
+def _entries(field: int, data: np.ndarray, sizes: np.ndarray) -> bytes:
+    """A repeated bytes field: entry j is the next sizes[j] bytes of `data` (uint8), each with
+    its key and length, in one numpy pass for the whole block instead of a Python call per
+    batch (a message holds up to 256)."""
+    size = np.asarray(sizes, dtype=np.int64)
     if len(size) == 0 or size.max() >= 1 << 21:      # (never: a batch of 262144 samples)
-        bounds = block.bounds()
-        return b"".join(b"".join(_ld(3, src[8 * bounds[j]:8 * bounds[j + 1]].tobytes())) for j in range(len(block)))
-    # One numpy pass for the whole block instead of a Python call per batch (a message holds
-    # up to 256): the varint of each size is 1 to 3 bytes, each byte a column.
+        bounds = np.concatenate(([0], np.cumsum(size))).tolist()
+        return b"".join(b"".join(_ld(field, data[bounds[j]:bounds[j + 1]].tobytes())) for j in range(len(size)))
+    # The varint of each size is 1 to 3 bytes, each byte a column.
     nvar = 1 + (size >= 1 << 7) + (size >= 1 << 14)
     head = 1 + nvar
     starts = np.concatenate(([0], np.cumsum(head + size)[:-1]))
     out = np.empty(int((head + size).sum()), dtype=np.uint8)
-    data = np.ones(len(out), dtype=bool)
-    out[starts] = 3 << 3 | 2
-    data[starts] = False
+    is_data = np.ones(len(out), dtype=bool)
+    out[starts] = field << 3 | 2
+    is_data[starts] = False
     for b in range(3):
         has = nvar > b
         at = starts[has] + 1 + b
         out[at] = ((size[has] >> (7 * b)) & 0x7F) | np.where(nvar[has] > b + 1, 0x80, 0)
-        data[at] = False
-    out[data] = src
+        is_data[at] = False
+    out[is_data] = data
     return out.tobytes()
+
+
+def _boundaries(block: Block) -> bytes:
+    """StreamReply.boundaries (field 5): one entry per batch, after everything else (as the
+    sources): per sample the document starts inside it, a few bytes where its tokens are
+    thousands (feeder.layout.Bounds.to_bytes)."""
+    b = block.boundaries
+    if b is None:
+        return b""
+    k = len(block.counts)
+    rows = np.concatenate(([0], np.cumsum(block.counts)))     # batch j: samples rows[j]..rows[j + 1]
+    ptr = b.ptr()
+    n = rows[1:] - rows[:-1]
+    # Batch j's entry is its samples' counts, then their lengths, then their starts: three runs
+    # of one array (counts, lengths, starts joined), gathered for the whole block at once.
+    lo = np.stack((rows[:-1], len(b.counts) + rows[:-1], 2 * len(b.counts) + ptr[rows[:-1]]), axis=1).reshape(-1)
+    cnt = np.stack((n, n, ptr[rows[1:]] - ptr[rows[:-1]]), axis=1).reshape(-1)
+    joined = np.concatenate((b.counts, b.lengths, b.starts)).astype("<i4", copy=False)
+    data = joined[ranges(lo, cnt)].view(np.uint8)
+    return _entries(5, data, 4 * cnt.reshape(k, 3).sum(axis=1))
 
 
 def encode_reply(block: Block, region: str) -> bytes:
     if _frame is None:
-        return encode_reply_py(block, region) + _sources(block)
+        return encode_reply_py(block, region) + _sources(block) + _boundaries(block)
     rows = block.rows
     return _frame(block.tokens, block.payloads, block.ids, block.counts, block.epochs, block.steps, block.cursors,
                   block.sample_len, np.dtype(block.dtype).itemsize, DTYPE_ENUM[block.dtype],
                   COMPRESSION_ENUM[block.compression], region.encode(),
-                  None if rows is None else (rows.bufs, rows.which, rows.offs), _sources(block))
+                  None if rows is None else (rows.bufs, rows.which, rows.offs), _sources(block) + _boundaries(block))

@@ -20,6 +20,7 @@ import numpy as np
 
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor
+from feeder.layout import Bounds
 from feeder.planning import Pending, PlannedRun, Start
 from feeder.rows import Rows
 
@@ -53,6 +54,10 @@ class Plan(Protocol):
 
     def locate(self, starts: np.ndarray, n: int) -> Rows | np.ndarray:
         """Where rows [starts[i], starts[i] + n) lie (for runs that carry no tokens)."""
+
+    def boundaries(self, starts: np.ndarray, n: int) -> Bounds:
+        """Where documents start inside rows [starts[i], starts[i] + n) (asked only of streams
+        with boundaries; a plan that cannot know them refuses such a stream when it is made)."""
 
     def cursor_template(self) -> Cursor:
         """A cursor with the stream's fixed fields (the pipeline writes the moving ones)."""

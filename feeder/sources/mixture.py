@@ -22,8 +22,9 @@ from feeder.cursor import Cursor, Mixture
 from feeder.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
 from feeder.planning import PENDING, PlannedRun, Start, StreamPlan
 from feeder.rows import Rows
+from feeder.layout import Bounds
 from feeder.sources import ChunkTable, PerJob
-from feeder.sources.posix import locate_rows
+from feeder.sources.posix import locate_bounds, locate_rows
 
 
 def shown_mixture(names, weights) -> str:
@@ -64,6 +65,10 @@ class Joined:
             return self.parts[d].chunk(local)
         except DataLoss as e:   # sources' shards often share names: say whose it is
             raise DataLoss(f"mixture source {self.names[d]!r}: {e}") from None
+
+    def doc_starts(self, k: int) -> np.ndarray:
+        d, local = self._owner[k]
+        return self.parts[d].doc_starts(local) + self.base[d]
 
     def read(self, start: int, out: np.ndarray) -> None:
         d = bisect.bisect_right(self.base, start) - 1
@@ -161,9 +166,16 @@ class MixtureParts:
         # that only says where rows lie (the Source seam's least) is asked source by source.
         self.joined = Joined(self.names, self.parts) if all(isinstance(p, ChunkTable) for p in self.parts) else None
 
-    def sizes(self, seq_len: int) -> tuple[int, ...]:
+    def packed(self, seq_len: int) -> list:
+        """Each source's best-fit bins at seq_len (feeder.sources.packed)."""
+        from feeder.sources.packed import packed
+
+        return [packed(p, seq_len) for p in self.parts]
+
+    def sizes(self, seq_len: int, packing: str = "concat") -> tuple[int, ...]:
         """Each source's samples at seq_len; a source too small for one is refused."""
-        sizes = tuple(sampler.n_samples(p.n_tokens, seq_len) for p in self.parts)
+        sizes = tuple(t.n_samples for t in self.packed(seq_len)) if packing == "best_fit" else \
+            tuple(sampler.n_samples(p.n_tokens, seq_len) for p in self.parts)
         for name, n, p in zip(self.names, sizes, self.parts):
             if n == 0:
                 raise FailedPrecondition(f"mixture source {name!r} has {p.n_tokens} tokens, too few for one sample "
@@ -172,7 +184,7 @@ class MixtureParts:
 
     def epoch_samples(self, spec: StreamSpec) -> int:
         """The request's epoch_samples, or the sources' samples summed."""
-        return spec.epoch_samples or sum(self.sizes(spec.seq_len))
+        return spec.epoch_samples or sum(self.sizes(spec.seq_len, spec.packing))
 
     def plan(self, spec: StreamSpec, cursor: Cursor | None) -> "MixturePlan":
         if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
@@ -190,23 +202,32 @@ class MixturePlan:
     bad_records = 0      # records those epochs skipped (bad_records=skip)
 
     def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None):
-        self.sizes = src.sizes(spec.seq_len)
+        self.sizes = src.sizes(spec.seq_len, spec.packing)
         n = src.epoch_samples(spec)
         spec = dataclasses.replace(spec, epoch_samples=n)
         self.src, self.spec = src, spec
         self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
+        # Where each source's samples lie: the sources themselves, or their bins. A packed
+        # mixture's fingerprint (the cursor's) is of its sources' packings, so a cursor of concat
+        # samples never resumes it; the cursor still names each source by its key (a bounded
+        # topic's by its epoch's ranges: what rebuilds that epoch on any feeder).
+        self.tables = src.parts
+        if spec.packing == "best_fit":
+            self.tables = src.packed(spec.seq_len)
+            self.fingerprint = "mix-" + hashlib.sha256(
+                "\0".join(f"{n}\0{t.fingerprint}" for n, t in zip(src.names, self.tables)).encode()).hexdigest()[:32]
         # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run
         # from epoch 0 draws.
         want = Mixture(names=src.names, fingerprints=src.fingerprints, weights=src.weights,
                        offsets=(0,) * len(src.names), epoch_samples=n, ref_epoch=0, mix_base=0)
         self.mix, remix = (want, False) if cursor is None else self._resume(cursor, want)
         if remix:   # the cursor's fingerprint is the old mixture's; each source's was checked above
-            cursor = dataclasses.replace(cursor, fingerprint=src.fingerprint)
+            cursor = dataclasses.replace(cursor, fingerprint=self.fingerprint)
         # A remix re-deals as reshard does, so the cursor may name another world size (and the
         # plan checks the rest of the cursor before the re-deal below reads its fields).
         # (the sources' permutations are orders too: the largest decides which torch releases agree)
         self.inner = StreamPlan(dataclasses.replace(spec, reshard=True) if remix else spec,
-                                n_tokens=n * spec.seq_len + 1, fingerprint=src.fingerprint, cursor=cursor, src=self.mix,
+                                n_tokens=n * spec.seq_len + 1, fingerprint=self.fingerprint, cursor=cursor, src=self.mix,
                                 largest=max(self.sizes))
         self.spec = dataclasses.replace(spec, permutation=self.inner.spec.permutation)
         if remix:
@@ -283,20 +304,36 @@ class MixturePlan:
     def locate(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Rows:
         """Where each row lies: `starts` are within each row's own source."""
         joined = self.src.joined
-        if joined is not None:
+        if joined is not None and self.tables is self.src.parts:
             return locate_rows(joined, starts + joined.base_np[sources], n)
         bufs: list[np.ndarray] = []
         which = np.empty(len(starts), dtype=np.int64)
         offs = np.empty(len(starts), dtype=np.int64)
         for d in np.unique(sources).tolist():   # each source's Rows, merged
             at = np.flatnonzero(sources == d)
-            rows = self.src.parts[d].locate(starts[at], n)
+            rows = self.tables[d].locate(starts[at], n)
             if not isinstance(rows, Rows):
                 rows = Rows.of(rows)
             which[at] = rows.which + len(bufs)
             offs[at] = rows.offs
             bufs += rows.bufs
         return Rows(bufs, which, offs, n)
+
+    def boundaries(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Bounds:
+        """Where documents start inside each row (`starts` within each row's own source)."""
+        joined = self.src.joined
+        if joined is not None and self.tables is self.src.parts:
+            return locate_bounds(joined, starts + joined.base_np[sources], n)
+        order = np.argsort(sources, kind="stable")   # each source's, then back in the rows' order
+        parts = [self.tables[d].boundaries(starts[sources == d], n) for d in np.unique(sources).tolist()]
+        b = Bounds.join(parts)
+        ptr = b.ptr()
+        inv = np.empty_like(order)
+        inv[order] = np.arange(len(order))
+        from feeder.layout import ranges
+
+        at = ranges(ptr[:-1][inv], b.counts[inv])
+        return Bounds(b.counts[inv], b.lengths[inv], b.starts[at])
 
     def cursor_template(self) -> Cursor:
         return self.inner.cursor_template()

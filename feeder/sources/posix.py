@@ -23,10 +23,15 @@ from feeder import manifest as mf
 from feeder.config import StreamSpec
 from feeder.cursor import Cursor, Mixture
 from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, WrongReplica
+from feeder.layout import Bounds, window_bounds
 from feeder.planning import StreamPlan
 from feeder.rows import Rows
 
 log = logging.getLogger("feeder.source")
+
+# Chunks whose document starts are kept (int64 each: a 16 M-token chunk of web text holds some
+# 20 000 documents, 160 KB; 256 of them ~40 MB at most), the most recently asked.
+DOC_STARTS_KEPT = 256
 
 
 class PosixSource:
@@ -59,6 +64,7 @@ class PosixSource:
         self._decoded: OrderedDict[int, np.ndarray] = OrderedDict()  # verified Parquet chunks
         self._decoded_bytes, self._cache_bytes = 0, cache_bytes
         self._bad: dict[int, str] = {}               # shard index -> why it cannot be served
+        self._doc_starts: OrderedDict[int, np.ndarray] = OrderedDict()   # chunk -> its documents' starts
         for si, shard in enumerate(m.shards):
             path = self.root / shard.path
             size = path.stat().st_size if path.exists() else -1
@@ -81,10 +87,57 @@ class PosixSource:
                 f"a Kafka position ({type(cursor.src).__name__})"
             raise FailedPrecondition(f"cursor does not fit this stream: it holds {what}; this stream reads "
                                      f"dataset {self.name!r} from files")
+        if spec.packing == "best_fit":
+            from feeder.sources.packed import packed
+
+            table = packed(self, spec.seq_len)
+            return StreamPlan(spec, n_tokens=self.n_tokens, n_samples=table.n_samples, fingerprint=table.fingerprint,
+                              cursor=cursor, data=table)
         return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self)
 
     def close(self) -> None:
         """Nothing to let go of: the maps close with the process."""
+
+    def boundaries(self, starts: np.ndarray, n: int) -> Bounds:
+        """The document starts inside rows [starts[i], starts[i] + n) (`locate_bounds`)."""
+        return locate_bounds(self, starts, n)
+
+    def doc_starts(self, k: int) -> np.ndarray:
+        """int64, sorted: where documents start in the stream inside chunk k. From what the format
+        records (our shards' and Hugging Face's rows, Megatron's index, MDS samples), or, for
+        files that record none, after each EOS token. Kept for the last chunks asked."""
+        got = self._recent(self._doc_starts, k)
+        if got is not None:
+            return got
+        si, ci = self._where[k]
+        if si in self._bad:
+            raise DataLoss(self._bad[si])
+        rel = self._chunk_doc_starts(si, ci)
+        size = self._starts[k + 1] - self._starts[k]
+        if rel is None:   # by EOS: a document starts after each EOS (and at the stream's start)
+            rel = np.flatnonzero(self.chunk(k)[:-1] == self.eos_id) + 1
+            first = k == 0
+            if not first:   # the chunk's first token starts one if the token before it is an EOS
+                before = np.empty(1, dtype=self.dtype)
+                self.read(self._starts[k] - 1, before)
+                first = int(before[0]) == self.eos_id
+            if first:
+                rel = np.concatenate(([0], rel))
+        rel = np.unique(np.asarray(rel, dtype=np.int64))   # (an empty document starts nothing)
+        if len(rel) and (rel[0] < 0 or rel[-1] >= size):
+            raise DataLoss(f"shard {self.manifest.shards[si].path}: chunk {ci}'s documents start outside its "
+                           f"{size} tokens")
+        got = rel + self._starts[k]
+        with self._lock:
+            self._doc_starts[k] = got
+            while len(self._doc_starts) > DOC_STARTS_KEPT:
+                self._doc_starts.popitem(last=False)
+        return got
+
+    def all_doc_starts(self) -> np.ndarray:
+        """Where every document starts (what packing needs: O(documents), read once)."""
+        parts = [self.doc_starts(k) for k in range(len(self._where))]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def read(self, start: int, out: np.ndarray) -> None:
         n = len(out)
@@ -119,11 +172,9 @@ class PosixSource:
         arr = self._mapped.get(k)
         if arr is not None:
             return arr
-        with self._lock:
-            arr = self._decoded.get(k)
-            if arr is not None:
-                self._decoded.move_to_end(k)
-                return arr
+        arr = self._recent(self._decoded, k)
+        if arr is not None:
+            return arr
         si, ci = self._where[k]
         if si in self._bad:
             raise DataLoss(self._bad[si])
@@ -148,6 +199,14 @@ class PosixSource:
                     _, old = self._decoded.popitem(last=False)
                     self._decoded_bytes -= old.nbytes
         return arr
+
+    def _recent(self, cache: OrderedDict, k: int) -> np.ndarray | None:
+        """Chunk k's entry in a bounded cache (then the most recently used), or None."""
+        with self._lock:
+            got = cache.get(k)
+            if got is not None:
+                cache.move_to_end(k)
+            return got
 
     def rescrub(self, k: int) -> tuple[int, str]:
         """Check chunk k again if it was verified and is served from the memory map (what a
@@ -183,13 +242,32 @@ class PosixSource:
             return f"shard {shard.path} is corrupt: chunk {ci} failed its sha256 check against the manifest"
         return ""
 
-    def _load_arrow(self, si: int, ci: int) -> np.ndarray:
+    def _chunk_doc_starts(self, si: int, ci: int) -> np.ndarray | None:
+        """Where documents start inside chunk ci of shard si (offsets), or None: after each EOS.
+        A row of our shards is a document (its EOS stored, or added after it for Parquet)."""
+        shard = self.manifest.shards[si]
+        try:
+            if shard.format == "arrow":
+                off = self._arrow_reader(si).get_batch(ci).column(0).offsets.to_numpy()
+                return off[:-1] - off[0]
+            import pyarrow.parquet as pq
+
+            col = pq.ParquetFile(str(self.root / shard.path)).read_row_group(ci, columns=[shard.tokens_column]).column(0)
+            return rows_doc_starts(col.combine_chunks(), adds_eos=True)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            self._bad[si] = f"shard {shard.path} cannot be read: {e}"
+            raise DataLoss(self._bad[si]) from None
+
+    def _arrow_reader(self, si: int):
         reader = self._readers.get(si)
         if reader is None:
             path = self.root / self.manifest.shards[si].path
             reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
             self._readers[si] = reader
-        col = reader.get_batch(ci).column(0)
+        return reader
+
+    def _load_arrow(self, si: int, ci: int) -> np.ndarray:
+        col = self._arrow_reader(si).get_batch(ci).column(0)
         return col.values.to_numpy(zero_copy_only=True)  # a view of the memory map
 
     def _load_parquet(self, si: int, ci: int) -> np.ndarray:
@@ -210,6 +288,14 @@ def with_eos(lists: pa.Array, eos_id: int, dtype: np.dtype) -> np.ndarray:
     dest = np.arange(len(values), dtype=np.int64) + np.repeat(np.arange(len(lengths)), lengths)
     out[dest] = values
     return out
+
+
+def rows_doc_starts(lists: pa.Array, *, adds_eos: bool) -> np.ndarray:
+    """Where each row of a list<int> array starts in its chunk's stream (a row is a document;
+    with `adds_eos`, one EOS follows each, as with_eos writes them)."""
+    off = np.asarray(lists.offsets, dtype=np.int64)
+    rel = off[:-1] - off[0]
+    return rel + np.arange(len(rel), dtype=np.int64) if adds_eos else rel
 
 
 def index_parquet(root: str | os.PathLike, *, vocab_size: int, eos_id: int,
@@ -276,6 +362,21 @@ def locate_rows(table, starts: np.ndarray, n: int) -> Rows:
         which[across], offs[across] = len(bufs), np.arange(len(across), dtype=np.int64) * n
         bufs.append(extra.reshape(-1))
     return Rows(bufs, which.astype(np.int64, copy=False), offs, n)
+
+
+def locate_bounds(table, starts: np.ndarray, n: int) -> Bounds:
+    """The document starts inside rows [starts[i], starts[i] + n) of a chunk table (as
+    locate_rows: a PosixSource or a mixture's sources joined), from its chunks' `doc_starts(k)`:
+    those of every chunk a row touches, joined in stream order, then searched once."""
+    starts = np.asarray(starts, dtype=np.int64)
+    bounds = table.chunk_starts
+    first = np.searchsorted(bounds, starts, side="right") - 1
+    last = np.searchsorted(bounds, starts + n - 1, side="right") - 1
+    chunks = set(np.unique(np.concatenate((first, last))).tolist())
+    for a, b in zip(first[last - first > 1].tolist(), last[last - first > 1].tolist()):   # rows over 3+ chunks
+        chunks.update(range(a + 1, b))
+    parts = [table.doc_starts(k) for k in sorted(chunks)]
+    return window_bounds(np.concatenate(parts) if parts else np.zeros(0, np.int64), starts, n)
 
 
 def open_source(root: str, *, vocab_size: int = 0, eos_id: int = -1, name: str = "", column: str = "",

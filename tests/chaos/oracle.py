@@ -33,12 +33,10 @@ class Oracle:
         # a batch's "ids" are then (source, id) pairs, compared and counted as such.
         self.mix = None
         if self.sc.mixture:
-            from feeder.sampler import n_samples
             from tests.mixture_oracle import Oracle as MixtureOracle
 
             L = self.sc.seq_len
-            self.streams = [c.stream for c in run.sources]
-            self.mix = MixtureOracle([m[0] for m in self.sc.mixture], [n_samples(len(s), L) for s in self.streams],
+            self.mix = MixtureOracle([m[0] for m in self.sc.mixture], [c.samples(L, self.sc.packing) for c in run.sources],
                                      [m[1] for m in self.sc.mixture], self.n, seed=self.sc.data_seed,
                                      shuffle=self.sc.shuffle, drop_last=self.sc.drop_last,
                                      permutation=self.sc.permutation)
@@ -85,14 +83,15 @@ class Oracle:
         return out[:count]
 
     def check_tokens(self, where: str, line: dict) -> None:
-        L = self.sc.seq_len
-        streams = [self.stream] * len(line["ids"]) if self.mix is None else \
-            [self.streams[d] if 0 <= d < len(self.streams) else self.stream[:0] for d in line.get("src", [])]
-        rows = np.stack([s[i * L:i * L + L + 1] for s, i in zip(streams, line["ids"])]) if line["ids"] else \
-            np.zeros((0, L + 1), np.int64)
-        if len(rows) and rows.shape[1] != L + 1:
+        L, packing = self.sc.seq_len, self.sc.packing
+        sources = [0] * len(line["ids"]) if self.mix is None else line.get("src", [])
+        corpora = [self.run.corpus] if self.mix is None else self.run.sources
+        rows = [corpora[d].rows([i], L, packing) if 0 <= d < len(corpora) else None
+                for d, i in zip(sources, line["ids"])]
+        if any(r is None for r in rows):
             self.fail(f"{where}: a sample of batch epoch {line['e']} step {line['s']} is not in its source")
             return
+        rows = np.concatenate(rows) if rows else np.zeros((0, L + 1), np.int64)
         if token_hash(rows.astype(np.int64).tobytes()) != line["h"]:
             self.fail(f"{where}: tokens of batch epoch {line['e']} step {line['s']} differ from the packed stream")
         self.samples += len(line["ids"])

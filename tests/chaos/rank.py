@@ -38,6 +38,11 @@ def _log_to(path: str, *_worker_id) -> None:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
+def _ends(msg: str) -> str:
+    """A long message's head and tail (a DataLoader worker's error puts the feeder's words last)."""
+    return msg if len(msg) <= 1200 else msg[:300] + " ... " + msg[-900:]
+
+
 def rank_main(cfg: dict, conn) -> None:
     """cfg: plain values only (see runner.RankPlan.config). Exit 0: the stream ended or the
     rank took what it was asked to; 3: a FeederError (its code is in the last line); 4: a bug."""
@@ -58,7 +63,8 @@ def rank_main(cfg: dict, conn) -> None:
                            read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
                            retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
                            report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None,
-                           permutation=cfg.get("permutation", "torch"), epoch_samples=cfg.get("epoch_samples", 0))
+                           permutation=cfg.get("permutation", "torch"), epoch_samples=cfg.get("epoch_samples", 0),
+                           packing=cfg.get("packing", "concat"))
         workers = cfg["workers"]
         if workers and cfg["context"] == "forkserver":
             # The workers' forkserver imports torch and the client once; each worker is then a
@@ -108,7 +114,7 @@ def rank_main(cfg: dict, conn) -> None:
         out.write(json.dumps({"end": "ok", "p": pos}) + "\n")
         code = 0
     except FeederError as e:
-        out.write(json.dumps({"end": "error", "code": e.code.name, "msg": str(e)[:500], "p": pos}) + "\n")
+        out.write(json.dumps({"end": "error", "code": e.code.name, "msg": _ends(str(e)), "p": pos}) + "\n")
         code = 3
     except BaseException as e:  # noqa: BLE001 - anything else is a bug the oracle must show
         out.write(json.dumps({"end": "bug", "code": type(e).__name__, "msg": traceback.format_exc()[-1500:],

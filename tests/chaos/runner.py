@@ -30,7 +30,7 @@ import numpy as np
 
 from feeder.net import free_port
 from tests.chaos.scenario import FEEDER_FAULTS, Fault, Scenario
-from tests.helpers import byte_stream, make_docs, prep_docs
+from tests.helpers import byte_stream, make_docs, packed_bins, prep_docs
 
 SCENARIO_BUDGET_S = 240.0    # a scenario still running after this is a hang: a failure (generous: soaks run many at once on 2 cores)
 RANK_RETRY_FOR_S = 90.0      # a rank with nowhere to go for this long raises UNAVAILABLE (a restart under heavy load can take tens of seconds)
@@ -42,6 +42,28 @@ RANK_RETRY_FOR_S = 90.0      # a rank with nowhere to go for this long raises UN
 class Corpus:
     dataset: Path
     stream: np.ndarray
+    docs: list
+
+    def samples(self, seq_len: int, packing: str) -> int:
+        """Samples of an epoch: concat windows, or best-fit bins."""
+        from feeder.sampler import n_samples
+
+        return len(self.bins(seq_len)) if packing == "best_fit" else n_samples(len(self.stream), seq_len)
+
+    def bins(self, seq_len: int) -> np.ndarray:
+        key = ("bins", seq_len)
+        if key not in self.__dict__:
+            self.__dict__[key] = packed_bins(self.docs, seq_len)
+        return self.__dict__[key]
+
+    def rows(self, ids: list[int], seq_len: int, packing: str) -> np.ndarray:
+        """The samples' tokens [len(ids), seq_len + 1] (None where an id is not a sample of it)."""
+        if packing == "best_fit":
+            bins = self.bins(seq_len)
+            return bins[ids] if all(0 <= i < len(bins) for i in ids) else None
+        L = seq_len
+        rows = [self.stream[i * L:i * L + L + 1] for i in ids]
+        return np.stack(rows) if all(len(r) == L + 1 for r in rows) else None
 
 
 _CORPORA: dict[tuple[str, int], Corpus] = {}
@@ -57,7 +79,7 @@ def corpus(root: Path, n_docs: int) -> Corpus:
             shutil.rmtree(d)
         d.mkdir(parents=True)
         docs = make_docs(n_docs, seed=n_docs, max_words=40)
-        _CORPORA[key] = Corpus(prep_docs(d, docs, shard_tokens=3000, chunk_tokens=600), byte_stream(docs))
+        _CORPORA[key] = Corpus(prep_docs(d, docs, shard_tokens=3000, chunk_tokens=600), byte_stream(docs), docs)
     return _CORPORA[key]
 
 
@@ -87,7 +109,7 @@ def kafka_corpus(root: Path, n_docs: int) -> Corpus:
             raise RuntimeError(f"publishing the Kafka corpus failed (is the broker up? make kafka): {r.stderr}")
         P = KAFKA_PARTITIONS   # publish writes document i to partition i mod P
         ordered = [docs[i] for p in range(P) for i in range(p, n_docs, P)]
-        _TOPICS[key] = Corpus(f"kafka://{bootstrap}/{topic}", byte_stream(ordered))
+        _TOPICS[key] = Corpus(f"kafka://{bootstrap}/{topic}", byte_stream(ordered), ordered)
     return _TOPICS[key]
 
 
@@ -357,13 +379,11 @@ class ScenarioRun:
         self.rng = random.Random(f"run-{sc.seed}")
         # (sc.kafka names the sources on a topic: the corpus, 0, when there is no mixture)
         self.corpus = (kafka_corpus if not sc.mixture and 0 in sc.kafka else corpus)(cache, sc.n_docs)
-        from feeder.sampler import n_samples
-
-        self.n = n_samples(len(self.corpus.stream), sc.seq_len)
+        self.n = self.corpus.samples(sc.seq_len, sc.packing)
         # A mixture: a corpus per source, and an epoch of all their samples (the default epoch_samples)
         self.sources = [(kafka_corpus if i in sc.kafka else corpus)(cache, d) for i, (_, _, d) in enumerate(sc.mixture)]
         if sc.mixture:
-            self.n = sc.epoch_samples or sum(n_samples(len(c.stream), sc.seq_len) for c in self.sources)
+            self.n = sc.epoch_samples or sum(c.samples(sc.seq_len, sc.packing) for c in self.sources)
         self.errors: list[str] = []
         self.injected: Counter = Counter()
         self.timers: list = []
@@ -444,7 +464,7 @@ class ScenarioRun:
                    failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
                    mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation,
-                   epoch_samples=sc.epoch_samples)
+                   epoch_samples=sc.epoch_samples, packing=sc.packing)
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()

@@ -17,12 +17,14 @@ FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
 MIXTURE_SHARE = 0.3
 # The share that ask for the stateless order (issue 25) instead of torch's.
 STATELESS_SHARE = 0.3
-# The share of those (unbounded, stateless mixtures) whose epoch spans 10^9 positions or more.
-LARGE_SHARE = 0.5
+# The share that ask for best-fit packing (issue 27): samples are bins of whole documents.
+PACKING_SHARE = 0.25
 # The share that serve their corpus, or some of a mixture's, from bounded Kafka topics (issue
 # 26): a Kafka scenario is a mixture as often as any other (MIXTURE_SHARE), of topics alone or of
 # topics and files. They need the broker (`make kafka`).
 KAFKA_SHARE = 0.15
+# The share of unbounded, stateless mixtures on files whose epoch spans 10^9 positions or more.
+LARGE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,15 @@ class Scenario:
     mixture: tuple[tuple[str, float, int], ...] = ()
     # The epoch's order (issue 25): torch's randperm, or the stateless bijection.
     permutation: str = "torch"
+    # The samples (issue 27): windows of the concatenated documents, or best-fit bins.
+    packing: str = "concat"
+    # The sources served from a bounded Kafka topic (its documents published to 3 partitions), by
+    # index: the corpus (0) or a mixture's sources; () = all on files.
+    kafka: tuple[int, ...] = ()
     # A mixture's positions per epoch (0: all its sources' samples). Past LISTED (10^9 in the
     # fixed seeds) the oracle computes each position on its own (the weights must then be
     # dyadic, tests/mixture_oracle.PeriodicBlend) and a world-size change is not checked.
     epoch_samples: int = 0
-    # The sources served from a bounded Kafka topic (its documents published to 3 partitions), by
-    # index: the corpus (0) or a mixture's sources; () = all on files.
-    kafka: tuple[int, ...] = ()
 
     @property
     def job(self) -> str:
@@ -98,9 +102,10 @@ class Scenario:
                 f"failback={self.failback_s:g} step={self.step_ms}ms ckpt={self.ckpt_every} "
                 f"faults=[{' '.join(f.describe() for f in self.faults) or 'none'}]"
                 + (f" mixture=[{' '.join(f'{n}:{w:g}:{d}' for n, w, d in self.mixture)}]" if self.mixture else "")
-                + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else "")
                 + (f" permutation={self.permutation}" if self.permutation != "torch" else "")
-                + (f" kafka={','.join(map(str, self.kafka))}" if self.kafka else ""))
+                + (f" packing={self.packing}" if self.packing != "concat" else "")
+                + (f" kafka={','.join(map(str, self.kafka))}" if self.kafka else "")
+                + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -191,16 +196,17 @@ class Scenario:
             mixture = tuple((f"s{i}", rng.choice((0.1, 0.3, 1.0, 2.0, 5.0)), rng.choice((20, 60, n_docs)))
                             for i in range(k))
         permutation = "stateless" if rng.random() < STATELESS_SHARE else "torch"   # (last of all, likewise)
+        packing = "best_fit" if rng.random() < PACKING_SHARE else "concat"         # (and after it)
         kafka: tuple[int, ...] = ()   # (after it, likewise)
         if not large and rng.random() < KAFKA_SHARE:
             # The corrupt fault flips a byte of the first source's files: that one stays on files.
             can = [i for i in range(len(mixture) or 1) if not (i == 0 and any(f.kind == "corrupt" for f in faults))]
             kafka = tuple(i for j, i in enumerate(can) if j == 0 or rng.random() < 0.5)
-        # Some unbounded stateless mixtures on files span 10^9 positions or more (issue 25): the
-        # oracle then computes each position alone, which needs dyadic weights, and checks no
-        # world-size change. (After the Kafka draw, likewise.)
+        # Some unbounded stateless mixtures of windows on files span 10^9 positions or more (issue
+        # 25): the oracle then computes each position alone, which needs dyadic weights, and checks
+        # no world-size change. (After the Kafka draw, likewise.)
         epoch_samples = 0
-        if (mixture and not kafka and permutation == "stateless" and s["num_epochs"] == 0
+        if (mixture and not kafka and packing == "concat" and permutation == "stateless" and s["num_epochs"] == 0
                 and not any(f.kind == "reshard" for f in faults) and rng.random() < LARGE_SHARE):
             epoch_samples = rng.choice((10**9 + 7, (1 << 32) + 5))
             weights = rng.choice(((1.0, 1.0), (1.0, 3.0), (3.0, 1.0), (1.0, 7.0), (3.0, 5.0)) if len(mixture) == 2
@@ -208,7 +214,8 @@ class Scenario:
             mixture = tuple((name, w, d) for (name, _, d), w in zip(mixture, weights))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
-                        mixture=mixture, permutation=permutation, kafka=kafka, epoch_samples=epoch_samples)
+                        mixture=mixture, permutation=permutation, packing=packing, kafka=kafka,
+                        epoch_samples=epoch_samples)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

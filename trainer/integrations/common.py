@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from feeder_client import FeederBatch, FeederDataset
+from feeder_client.packing import hf_inputs
 
 STATE_VERSION = 1
 
@@ -120,7 +121,13 @@ class DistributedFeederDataset(FeederDataset):
 
 def batch_dict(batch: FeederBatch) -> dict[str, torch.Tensor]:
     """The Hugging Face causal-LM inputs: input_ids and labels both the seq_len + 1 tokens
-    (the model shifts the labels itself, so the seq_len predictions are exactly the sample's)."""
+    (the model shifts the labels itself, so the seq_len predictions are exactly the sample's).
+    With boundaries (boundaries=True, packing="best_fit"), also position_ids restarting at each
+    document, and labels -100 where one would be predicted across documents or is padding
+    (feeder_client.packing.hf_inputs): transformers then keeps each document's attention to
+    itself (FlashAttention's varlen path, or SDPA's mask from the positions)."""
+    if batch.boundaries is not None:
+        return hf_inputs(batch, whole=True)
     return {"input_ids": batch.tokens, "labels": batch.tokens}
 
 
@@ -210,5 +217,9 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     if isinstance(obj, FeederBatch):
-        return dataclasses.replace(obj, tokens=obj.tokens.to(device, non_blocking=True))
+        out = dataclasses.replace(obj, tokens=obj.tokens.to(device, non_blocking=True))
+        if obj.boundary_bytes is not None:   # what is made of them, made here and moved with the tokens
+            out._derived.update({k: getattr(obj, k).to(device, non_blocking=True)
+                                 for k in ("position_ids", "cu_seqlens", "loss_mask")})
+        return out
     return obj

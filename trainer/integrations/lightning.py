@@ -37,6 +37,8 @@ except ImportError:  # the standalone package
 
 from feeder_client import FeederBatch
 
+from feeder_client.packing import model_inputs
+
 from .common import DistributedFeederDataset, FeederIntegrationError, FeederLoader
 
 __all__ = ["FeederDataModule", "FeederIntegrationError", "CURSOR_KEY"]
@@ -44,8 +46,13 @@ CURSOR_KEY = "feeder_cursor"
 
 
 def default_transform(batch: FeederBatch) -> dict:
-    """tokens int64 [n, seq_len + 1] (inputs + shifted labels, as trainer/model.py takes them) and sample_ids."""
-    return {"tokens": batch.tokens, "sample_ids": batch.sample_ids}
+    """tokens int64 [n, seq_len + 1] (inputs + shifted labels, as trainer/model.py takes them) and sample_ids;
+    with boundaries, also position_ids, loss_mask and the block-diagonal attention mask
+    (feeder_client.packing), which trainer/model.py takes too."""
+    out = {"tokens": batch.tokens, "sample_ids": batch.sample_ids}
+    if batch.boundaries is not None:
+        out.update(model_inputs(batch))
+    return out
 
 
 class _Batches:

@@ -76,6 +76,11 @@ class Reader:
         """Where token i of a chunk lies in its file, for an error message."""
         raise NotImplementedError
 
+    def doc_starts(self, si: int, ci: int) -> np.ndarray | None:
+        """Where the documents the format records start inside chunk ci of shard si (offsets in
+        the served chunk), or None: the format records none, a document ends at each EOS."""
+        return None
+
     def identity(self) -> dict:
         """What decides the stream besides the shards' contents (goes into the fingerprint)."""
         return {"kind": "format", "format": self.format, "adds_eos": self.adds_eos}
@@ -184,6 +189,9 @@ class FormatSource(PosixSource):
             self._bad[si] = str(e)
             log.error("dataset %s: %s", self.name, e)
             raise
+
+    def _chunk_doc_starts(self, si: int, ci: int) -> np.ndarray | None:
+        return self.reader.doc_starts(si, ci)
 
     def _check(self, si: int, ci: int, arr: np.ndarray) -> str:
         shard, reader = self.manifest.shards[si], self.reader

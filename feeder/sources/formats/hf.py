@@ -17,7 +17,7 @@ import pyarrow as pa
 from feeder import manifest as mf
 from feeder.errors import DataLoss, InvalidArgument
 from feeder.sources.formats import Options, Reader, ShardInfo, file_ends, head_digest, need_vocab
-from feeder.sources.posix import with_eos
+from feeder.sources.posix import rows_doc_starts, with_eos
 
 DEFAULT_COLUMN = "input_ids"
 
@@ -98,6 +98,9 @@ class HFReader(Reader):
 
     def where(self, si: int, ci: int, i: int) -> str:
         return f"{self.paths[si]}: record batch {ci}, token {i}"
+
+    def doc_starts(self, si: int, ci: int) -> np.ndarray:
+        return rows_doc_starts(self.batches[si][ci], adds_eos=True)   # a row is a document, EOS added
 
 
 def open_hf(root: Path, opts: Options) -> Reader:

@@ -148,6 +148,12 @@ class MDSReader(Reader):
     def where(self, si: int, ci: int, i: int) -> str:
         return f"{self.paths[si]}: token {i} of its samples"
 
+    def doc_starts(self, si: int, ci: int) -> np.ndarray:
+        """A sample is a document, an EOS added after it."""
+        _, nbytes = self._spans(si)
+        ends = np.cumsum(nbytes // self.layouts[si]["dtype"].itemsize + 1)
+        return np.concatenate(([0], ends[:-1])) if len(ends) else ends
+
 
 def open_mds(root: Path, opts: Options) -> Reader:
     return MDSReader(root, opts)

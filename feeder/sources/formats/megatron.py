@@ -68,6 +68,38 @@ def read_index(idx: Path, bin_: Path) -> tuple[np.dtype, int, int, bytes]:
     return dtype, need // dtype.itemsize, n_doc - 1, summary
 
 
+class MegatronFiles(TokenFiles):
+    """The .bin files of Megatron prefixes, whose documents are those their .idx records."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._docs: dict[int, np.ndarray] = {}
+
+    def _index(self, si: int) -> tuple[np.ndarray, np.ndarray]:
+        """File si's sequence byte pointers and each document's first sequence, memory-mapped
+        from its .idx (searched where asked, never read whole: 10^9 documents are 16 GB)."""
+        got = self._docs.get(si)
+        if got is None:
+            idx = Path(f"{self.files[si][0].with_suffix('')}.idx")
+            with open(idx, "rb") as f:
+                n_seq, n_doc = struct.unpack("<QQ", f.read(HEADER)[HEADER - 16:])
+            pointers = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER + 4 * n_seq, shape=(n_seq,)) if n_seq \
+                else np.zeros(0, np.int64)
+            first_seq = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER + 12 * n_seq, shape=(n_doc,))[:-1]
+            got = self._docs[si] = (pointers, first_seq)
+        return got
+
+    def doc_starts(self, si: int, ci: int) -> np.ndarray:
+        pointers, first_seq = self._index(si)
+        size = self.dtype.itemsize
+        lo = ci * self.chunk_tokens
+        hi = lo + self.shards[si].chunk_tokens[ci]
+        seqs = np.searchsorted(pointers, [lo * size, hi * size])           # sequences starting in the chunk
+        docs = np.searchsorted(first_seq, seqs)                              # documents starting with one of them
+        first = np.asarray(first_seq[docs[0]:docs[1]])
+        return np.asarray(pointers[first]) // size - lo
+
+
 def open_megatron(path: Path, opts: Options) -> Reader:
     """A prefix (PATH.bin + PATH.idx; PATH may name either file), or a directory of prefixes
     served as one dataset in sorted order."""
@@ -91,8 +123,8 @@ def open_megatron(path: Path, opts: Options) -> Reader:
     vocab, eos = need_vocab(f"{path} (a Megatron indexed dataset)", opts)
     if vocab > 1 << (8 * dtype.itemsize):
         raise InvalidArgument(f"--vocab-size {vocab} does not fit the index's {dtype.name} tokens")
-    reader = TokenFiles("megatron", root, files, dtype=dtype, vocab_size=vocab, eos_id=eos,
-                        chunk_tokens=chunking(opts), headers=heads)
+    reader = MegatronFiles("megatron", root, files, dtype=dtype, vocab_size=vocab, eos_id=eos,
+                           chunk_tokens=chunking(opts), headers=heads)
     for s, n_doc, (bin_, _, _) in zip(reader.shards, docs, files):
         s.n_documents = n_doc
         s.header = head_digest(s.header, Path(f"{bin_.with_suffix('')}.idx").stat().st_size)

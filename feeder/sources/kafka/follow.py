@@ -118,6 +118,9 @@ class FollowPlan:
     def locate(self, starts: np.ndarray, n: int) -> np.ndarray:
         raise RuntimeError("a follow stream's runs carry their tokens: there are no rows to locate")
 
+    def boundaries(self, starts: np.ndarray, n: int):
+        raise RuntimeError("a follow stream serves no boundaries (KafkaSource.plan refuses such a stream)")
+
     def cursor_template(self) -> Cursor:
         return self._cursor(self.state, self._skip, self.i, self._step)
 

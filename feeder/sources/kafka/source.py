@@ -105,6 +105,13 @@ class KafkaSource:
             if spec.reshard:
                 raise FailedPrecondition("a Kafka follow stream cannot be re-dealt to another world size; "
                                          "resume it with the world size of its cursor")
+            if spec.boundaries or spec.packing != "concat":
+                # A followed topic has no end: there is no corpus to pack, and its samples are cut
+                # from records as they arrive (docs/packing.md).
+                raise FailedPrecondition(
+                    f"source {self.name!r} (Kafka topic {self.url.topic}, mode=follow) cannot serve "
+                    f"{'packing=' + spec.packing if spec.packing != 'concat' else 'boundaries'}: a followed topic "
+                    "has no fixed set of documents; serve it with mode=bounded, or ask without them")
             return FollowPlan(self, spec, cursor, policy, reader=self.subscribe(spec, policy))
         if cursor is not None and cursor.src is not None:
             if type(cursor.src) is not KafkaEpoch:
@@ -119,11 +126,17 @@ class KafkaSource:
         else:
             pinned = ""
         ranges, snap = self.epoch(spec, pinned)
-        if cursor is not None and cursor.fingerprint != snap.fingerprint:
+        data, n_samples = snap, 0
+        if spec.packing == "best_fit":   # a record is a document: the epoch's records, packed
+            from feeder.sources.packed import packed
+
+            data = packed(snap, spec.seq_len)
+            n_samples = data.n_samples
+        if cursor is not None and cursor.fingerprint != data.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
-                               f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {snap.fingerprint!r}")
-        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=snap.fingerprint, cursor=cursor,
-                            src=KafkaEpoch(ranges), data=snap)
+                               f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {data.fingerprint!r}")
+        plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=data.fingerprint, cursor=cursor,
+                            src=KafkaEpoch(ranges), data=data, n_samples=n_samples)
         plan.bad_records = snap.bad_records
         plan.register = self._register
         self._register.hold(spec.job, plan)

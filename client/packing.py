@@ -29,7 +29,8 @@ def _bounds(batch: FeederBatch):
 def hf_inputs(batch: FeederBatch, *, whole: bool = False) -> dict[str, torch.Tensor]:
     """A Hugging Face causal LM's packed inputs, as DataCollatorWithFlattening makes them:
     input_ids, position_ids restarting at each document (which transformers turns into a
-    per-document mask under FlashAttention or SDPA), and labels aligned with the inputs (the
+    per-document mask under FlashAttention or SDPA, but only without a KV cache: call the model
+    with use_cache=False), and labels aligned with the inputs (the
     model shifts them) with -100 at each segment's first token, so no token is predicted across
     documents (nor any padding).
 

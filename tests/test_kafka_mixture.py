@@ -250,6 +250,12 @@ def test_follow_mode_mixture_replays_exactly_after_a_feeder_sigkill(followed):
                            cursor=head[4].cursor)))
         with pytest.raises(FeederError) as e2:
             next(iter(rank([b.address], "fmix2", world, 0, mix, num_epochs=0, retry_for_s=3, epoch_samples=100)))
+        # (found by the outside review: a follow mixture served packing/boundaries requests as plain windows)
+        for kw in ({"packing": "best_fit"}, {"boundaries": True}):
+            with pytest.raises(FeederError) as e3:
+                next(iter(rank([b.address], f"fmix-{len(kw)}-{next(iter(kw))}", world, 0, mix, num_epochs=0,
+                               retry_for_s=3, **kw)))
+            assert e3.value.code == Code.FAILED_PRECONDITION and "mode=follow" in str(e3.value), e3.value
     assert e2.value.code == Code.INVALID_ARGUMENT and "epoch_samples (100) has no meaning" in str(e2.value)
     check_follow_mixture(head[:5] + tail, streams[0], world, 0)
     assert e.value.code == Code.FAILED_PRECONDITION, e.value

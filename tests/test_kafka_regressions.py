@@ -455,3 +455,49 @@ def test_epoch_ttl_option_must_be_a_positive_number():
     for bad in ("0", "-1", "soon", "inf"):
         with pytest.raises(InvalidArgument, match="epoch_ttl_s must be"):
             KafkaURL.parse(f"kafka://h:1/t?epoch_ttl_s={bad}")
+
+
+def test_review_a_partition_of_empty_documents_only_is_served(kafka_broker, tmp_path):
+    """Found by the outside review of issue 26: a bounded topic one of whose partitions holds only
+    empty documents (valid records, each a lone EOS) failed every build ("cannot mmap an empty
+    file"), alone and in a mixture; the epoch is now served whole."""
+    from tests.helpers import byte_stream
+    from tests.test_kafka import publish
+
+    docs = [f"document {i} " * (1 + i % 5) if i % 2 == 0 else "" for i in range(40)]
+    topic = publish(kafka_broker, docs, tmp_path, topic_name("empty-docs"), partitions=2)
+    stream = byte_stream([docs[i] for p in range(2) for i in range(p, len(docs), 2)])   # partition order
+    url = f"kafka://{kafka_broker}/{topic}?mode=bounded&spool={tmp_path / 'spool'}"
+    with ServerThread(ServeConfig(source=url, listen="127.0.0.1:0")) as srv:
+        ds = FeederDataset([srv.address], job="empty-docs", rank=0, world_size=1, seq_len=SEQ, micro_batch=4,
+                           shuffle=False, num_epochs=1, retry_for_s=20)
+        got = list(ds)
+    assert ids_of(got) == list(range(n_samples(len(stream), SEQ)))
+    for b in got:
+        for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
+            np.testing.assert_array_equal(row, sample(stream, i, SEQ))
+
+
+def test_review_a_followed_topic_whose_producers_pause_holds_the_stream(kafka_broker, tmp_path):
+    """Found by the outside review of issue 26: when a followed topic had nothing new, the feeder
+    sent nothing, so the rank dropped the stream at every idle timeout and raised UNAVAILABLE
+    after retry_for_s (about 5 minutes with the defaults), though the docs say the stream holds.
+    The stream now tells the rank why it waits; after a pause longer than both the rank goes on."""
+    from tests.helpers import make_docs
+    from tests.test_kafka import check_follow, publish, samples_available
+
+    docs = make_docs(60, seed=77)
+    topic = publish(kafka_broker, docs, tmp_path, topic_name("quiet"), partitions=1)
+    more = make_docs(60, seed=78)
+    with ServerThread(ServeConfig(source=f"kafka://{kafka_broker}/{topic}?mode=follow",
+                                  listen="127.0.0.1:0")) as srv:
+        ds = FeederDataset([srv.address], job="quiet", rank=0, world_size=1, seq_len=SEQ, micro_batch=2,
+                           num_epochs=0, idle_timeout_s=2.5, retry_for_s=3, read_ahead=1)
+        it = iter(ds)
+        first = (samples_available(docs, 1, 0, SEQ) - 1) // 2
+        got = [next(it) for _ in range(first)]
+        time.sleep(7)                                   # producers quiet past both timeouts
+        publish(kafka_broker, more, tmp_path, topic, partitions=1)
+        got += [next(it) for _ in range(20)]
+        ds.client.close()
+    check_follow(got, docs + more, 1, 0, SEQ)

@@ -442,3 +442,48 @@ def test_kafka_records_are_documents_when_bounded_and_a_followed_topic_refuses_t
         bins = served_pieces(FeederDataset([srv.address], job="bounded-bf", rank=0, world_size=1, seq_len=BIN,
                                            micro_batch=4, seed=SEED, packing="best_fit"))
         assert Counter(s for segs in bins.values() for s in segs) == Counter(expected_pieces(ordered))
+
+
+def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
+    """Found by the outside review: a sidecar was trusted as it lay. Zeroed piece starts were
+    served (146 of 147 samples wrong), a seq_len-8 packing copied under the seq_len-16 name was
+    served as bins, a truncated array or a bad stats.json failed every stream with UNKNOWN. Each
+    is now found when the sidecar is opened (its digest, its figures, its sizes) and built again."""
+    from collections import Counter
+
+    from feeder.sources import packed as pk
+
+    _, docs = formats["manifest"]
+    want = Counter(expected_pieces(docs))
+
+    def served(job):
+        pk._tables.clear()   # (a new process: the sidecar is opened again)
+        epoch = packed_epoch(feeder.address, job, 1)
+        return Counter(seg for segs in served_pieces(b for rank in epoch for b in rank).values() for seg in segs)
+
+    assert served("bf-side-0") == want
+    src = next(t.source for t in pk._tables.values() if t.seq_len == BIN and t.source.name == "manifest")
+    where = pk.directory() / pk.identity(src.fingerprint, BIN)
+
+    def zero_starts():
+        a = np.load(where / "start.npy", mmap_mode="r+")
+        a[:] = 0
+        a.flush()
+
+    def other_seq_len():
+        pk.packed(src, 8)
+        import shutil
+
+        shutil.rmtree(where)
+        shutil.copytree(pk.directory() / pk.identity(src.fingerprint, 8), where)
+
+    def truncate_ptr():
+        p = where / "ptr.npy"
+        p.write_bytes(p.read_bytes()[:-16])
+
+    def bad_stats():
+        (where / "stats.json").write_text("{")
+
+    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats), 1):
+        damage()
+        assert served(f"bf-side-{k}") == want, damage.__name__

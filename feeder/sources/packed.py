@@ -38,8 +38,9 @@ except ImportError:  # no C compiler at install
 log = logging.getLogger("feeder.packing")
 
 _directory: str = ""
-_lock = threading.Lock()
+_lock = threading.Lock()          # _tables and _building only: never held across a build
 _tables: dict[tuple[str, int], "PackedTable"] = {}
+_building: dict[tuple[str, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
 
 
 def use_directory(cache_dir: str) -> None:
@@ -69,7 +70,11 @@ class PackedTable:
         self.dtype, self.eos_id = source.dtype, source.eos_id
         self.n_samples = packing.n_bins
         self.n_tokens = source.n_tokens
-        self.fingerprint = identity(source.fingerprint, seq_len)
+        # The cursors' fingerprint: the sidecar's name and the bins' own digest, so two feeders
+        # whose bins differ (a flat file rewritten in place keeps its fingerprint) refuse each
+        # other's cursors instead of resuming another packing.
+        self.fingerprint = PACKED_PREFIX + hashlib.sha256(
+            f"{identity(source.fingerprint, seq_len)}\0{stats['digest']}".encode()).hexdigest()[:40]
 
     def _bins(self, starts: np.ndarray, n: int) -> np.ndarray:
         if n != self.seq_len + 1:
@@ -110,14 +115,61 @@ def packed(source, seq_len: int) -> PackedTable:
         got = _tables.get(key)
         if got is not None and got.source is source:
             return got
-        name = identity(source.fingerprint, seq_len)
-        where = directory() / name
-        if not (where / "stats.json").is_file():
+        building = _building.setdefault(key, threading.Lock())
+    # (a build takes seconds to minutes: other datasets' streams and `feeder status` go on)
+    with building:
+        with _lock:
+            got = _tables.get(key)
+            if got is not None and got.source is source:
+                return got
+        where = directory() / identity(source.fingerprint, seq_len)
+        loaded = _load(where, source, seq_len) if (where / "stats.json").is_file() else None
+        if loaded is None:
             build(source, seq_len, where)
-        stats = json.loads((where / "stats.json").read_text())
-        arrays = {k: np.load(where / f"{k}.npy", mmap_mode="r") for k in ("ptr", "start", "length")}
-        table = _tables[key] = PackedTable(source, seq_len, Packing(capacity=seq_len + 1, **arrays), stats)
+            loaded = _load(where, source, seq_len)
+            if loaded is None:
+                raise FailedPrecondition(f"the packing of {getattr(source, 'name', '?')} at seq_len {seq_len} in "
+                                         f"{where} does not read back as it was written (see the feeder's log)")
+        table = PackedTable(source, seq_len, Packing(capacity=seq_len + 1, **loaded[1]), loaded[0])
+        with _lock:
+            _tables[key] = table
         return table
+
+
+_ARRAYS = ("ptr", "start", "length")
+
+
+def _digest(arrays: dict) -> str:
+    h = hashlib.sha256()
+    for k in _ARRAYS:
+        h.update(np.ascontiguousarray(arrays[k]).view(np.uint8).reshape(-1).data)
+    return h.hexdigest()
+
+
+def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
+    """The sidecar's figures and arrays, checked against what it must be (its own digest, the
+    source, seq_len, the packer, sizes that agree); None, with the sidecar removed, when it is
+    not (damaged, truncated, another seq_len's copied in): it is then built again."""
+    try:
+        stats = json.loads((where / "stats.json").read_text())
+        arrays = {k: np.load(where / f"{k}.npy", mmap_mode="r") for k in _ARRAYS}
+        n_bins, n_pieces = int(stats["bins"]), len(arrays["start"])
+        wrong = [what for what, bad in (
+            ("seq_len", stats.get("seq_len") != seq_len), ("packer", stats.get("packer") != PACKER),
+            ("source fingerprint", stats.get("fingerprint") != source.fingerprint),
+            ("bin pointers", len(arrays["ptr"]) != n_bins + 1 or int(arrays["ptr"][-1]) != n_pieces),
+            ("piece lengths", len(arrays["length"]) != n_pieces),
+            ("digest", stats.get("digest") != _digest(arrays))) if bad]
+        if not wrong:
+            return stats, arrays
+        why = "its " + ", ".join(wrong) + " do not match"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = f"{type(e).__name__}: {e}"
+    log.error("packing sidecar %s is not usable (%s): removed, to be built again", where, why)
+    import shutil
+
+    shutil.rmtree(where, ignore_errors=True)
+    return None
 
 
 def build(source, seq_len: int, where: Path) -> dict:
@@ -139,7 +191,8 @@ def build(source, seq_len: int, where: Path) -> dict:
                  "truncated": int(np.count_nonzero(lengths > seq_len + 1)),
                  "padding_fraction": 1 - float(source.n_tokens) / (packing.n_bins * (seq_len + 1)),
                  "read_s": t1 - t0, "pack_s": pack_s,
-                 "pack_s_per_million": pack_s / max(len(starts), 1) * 1e6}
+                 "pack_s_per_million": pack_s / max(len(starts), 1) * 1e6,
+                 "digest": _digest({k: getattr(packing, k) for k in _ARRAYS})}
         tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=where.parent))
         for k in ("ptr", "start", "length"):
             np.save(tmp / f"{k}.npy", getattr(packing, k))

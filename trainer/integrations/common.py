@@ -119,15 +119,16 @@ class DistributedFeederDataset(FeederDataset):
         yield from super().__iter__()
 
 
-def batch_dict(batch: FeederBatch) -> dict[str, torch.Tensor]:
+def batch_dict(batch: FeederBatch) -> dict[str, Any]:
     """The Hugging Face causal-LM inputs: input_ids and labels both the seq_len + 1 tokens
     (the model shifts the labels itself, so the seq_len predictions are exactly the sample's).
     With boundaries (boundaries=True, packing="best_fit"), also position_ids restarting at each
     document, and labels -100 where one would be predicted across documents or is padding
     (feeder_client.packing.hf_inputs): transformers then keeps each document's attention to
-    itself (FlashAttention's varlen path, or SDPA's mask from the positions)."""
+    itself (FlashAttention's varlen path, or SDPA's mask from the positions; transformers reads
+    packed positions only without a KV cache, hence use_cache=False)."""
     if batch.boundaries is not None:
-        return hf_inputs(batch, whole=True)
+        return {**hf_inputs(batch, whole=True), "use_cache": False}
     return {"input_ids": batch.tokens, "labels": batch.tokens}
 
 

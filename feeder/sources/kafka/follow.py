@@ -8,6 +8,7 @@ next sample starts, so a restart replays exactly. No I/O here: that is the reade
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -28,6 +29,9 @@ class _Mark:
     state: FollowState   # interleave state just before the record
 
 
+# How long a followed topic may have nothing new before the rank is told so (WAITING notes).
+QUIET_S = 0.5
+
 class FollowPlan:
     """One rank's endless stream (a `Plan`): round-robin interleave, records dealt k mod W, packed.
 
@@ -35,7 +39,12 @@ class FollowPlan:
     `bad_records` and `close` are the reader's, for the pipeline. Its runs carry their tokens
     and cursors (the position is the interleave's offsets, not (epoch, base, pos, step))."""
 
-    waiting = ""   # PENDING means the topic has nothing new: a tailed topic, not a build
+    # Why nothing comes: set once the topic has had no new record for QUIET_S, so the stream
+    # tells the rank every second (it holds the stream, and does not fail over on its idle
+    # timeout, or give up after retry_for_s, while producers are quiet); "" while records flow,
+    # so a momentary gap between fetches costs nothing.
+    waiting = ""
+    _quiet_since: float | None = None
 
     def __init__(self, src, spec: StreamSpec, cursor: Cursor | None, policy: str, *,
                  reader: FollowReader | None = None):
@@ -131,8 +140,16 @@ class FollowPlan:
         W = self.spec.world_size
         for b in self.batches():
             if b is None:
+                now = time.monotonic()
+                if self._quiet_since is None:
+                    self._quiet_since = now
+                elif now - self._quiet_since >= QUIET_S and not self.waiting:
+                    self.waiting = (f"no new record on Kafka topic {self.topic} since "
+                                    f"{time.strftime('%H:%M:%S', time.localtime(time.time() - (now - self._quiet_since)))}"
+                                    ": the stream holds until its producers write again")
                 yield PENDING
                 continue
+            self._quiet_since, self.waiting = None, ""
             yield PlannedRun(epoch=b.epoch, base=0, world=W, start=b.cursor.pos - len(b.ids), step=b.step,
                              ids=b.ids, stops=np.array([b.cursor.pos], dtype=np.int64), samples_in_epoch=0,
                              tokens=b.tokens, cursors=(b.cursor,))

@@ -4,6 +4,7 @@ per partition runs at once, each with its own consumer, so an epoch is read in p
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -130,7 +131,9 @@ class PartitionRead:
         lengths = np.fromfile(self.lengths_path, dtype=np.int64)
         if not len(lengths):
             return
-        ids = np.memmap(self.ids_path, dtype=self.dtype, mode="r")
+        # (a partition of empty documents only spills no token: mmap refuses an empty file)
+        ids = np.memmap(self.ids_path, dtype=self.dtype, mode="r") if os.path.getsize(self.ids_path) else \
+            np.zeros(0, dtype=self.dtype)
         starts = np.concatenate([[0], np.cumsum(lengths)])
         a = 0
         while a < len(lengths):

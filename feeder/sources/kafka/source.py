@@ -105,13 +105,7 @@ class KafkaSource:
             if spec.reshard:
                 raise FailedPrecondition("a Kafka follow stream cannot be re-dealt to another world size; "
                                          "resume it with the world size of its cursor")
-            if spec.boundaries or spec.packing != "concat":
-                # A followed topic has no end: there is no corpus to pack, and its samples are cut
-                # from records as they arrive (docs/packing.md).
-                raise FailedPrecondition(
-                    f"source {self.name!r} (Kafka topic {self.url.topic}, mode=follow) cannot serve "
-                    f"{'packing=' + spec.packing if spec.packing != 'concat' else 'boundaries'}: a followed topic "
-                    "has no fixed set of documents; serve it with mode=bounded, or ask without them")
+            self.refuse_documents(spec)
             return FollowPlan(self, spec, cursor, policy, reader=self.subscribe(spec, policy))
         if cursor is not None and cursor.src is not None:
             if type(cursor.src) is not KafkaEpoch:
@@ -166,10 +160,20 @@ class KafkaSource:
     def release(self, job: str, token: object) -> None:
         self._register.release(job, token)
 
+    def refuse_documents(self, spec: StreamSpec) -> None:
+        if spec.boundaries or spec.packing != "concat":
+            # A followed topic has no end: there is no corpus to pack, and its samples are cut
+            # from records as they arrive (docs/packing.md).
+            raise FailedPrecondition(
+                f"source {self.name!r} (Kafka topic {self.url.topic}, mode=follow) cannot serve "
+                f"{'packing=' + spec.packing if spec.packing != 'concat' else 'boundaries'}: a followed topic "
+                "has no fixed set of documents; serve it with mode=bounded, or ask without them")
+
     def interleave(self, names, weights, sources, spec: StreamSpec, cursor: Cursor | None):
         """The plan of a follow-mode mixture of `sources` (tailed topics, this one among them): mixed.py."""
         from feeder.sources.kafka.mixed import FollowMixPlan
 
+        self.refuse_documents(spec)   # (a mixture of followed topics no more than one of them)
         return FollowMixPlan(names, weights, sources, spec, cursor)
 
     def subscribe(self, spec: StreamSpec, policy: str, want=None) -> Subscription:

@@ -501,3 +501,46 @@ def test_review_a_followed_topic_whose_producers_pause_holds_the_stream(kafka_br
         got += [next(it) for _ in range(20)]
         ds.client.close()
     check_follow(got, docs + more, 1, 0, SEQ)
+
+
+def test_review_a_topic_deleted_and_created_again_is_not_served_from_what_was_read_of_the_old(
+        kafka_broker, tmp_path):
+    """Found by the outside review of issue 26: a topic deleted and published again with other
+    documents, the same number per partition, was served to new jobs from the old topic's
+    snapshot (bounded: same offset ranges, same key) and from the old follow window (same
+    partitions). Snapshots and windows are now of the topic's Kafka id as well as its name."""
+    from confluent_kafka.admin import AdminClient
+
+    from tests.helpers import byte_stream, make_docs
+    from tests.test_kafka import follow_reference, publish
+
+    topic = topic_name("recreated")
+    old, new = make_docs(30, seed=91), make_docs(30, seed=92)
+    in_order = lambda docs: [docs[i] for p in range(3) for i in range(p, len(docs), 3)]   # noqa: E731
+    publish(kafka_broker, old, tmp_path, topic)
+    bounded = f"b=kafka://{kafka_broker}/{topic}?mode=bounded&spool={tmp_path / 'spool'}"
+    follow = f"f=kafka://{kafka_broker}/{topic}?mode=follow"
+    with ServerThread(ServeConfig(sources=(tuple(bounded.split("=", 1)), tuple(follow.split("=", 1))),
+                                  listen="127.0.0.1:0")) as srv:
+        def first(job, dataset, **kw):
+            ds = FeederDataset([srv.address], job=job, rank=0, world_size=1, seq_len=SEQ, micro_batch=4,
+                               shuffle=False, dataset=dataset, retry_for_s=20, **kw)
+            b = next(iter(ds))
+            ds.client.close()
+            return b.tokens.numpy()
+
+        def want(docs, follow_mode):
+            stream = np.asarray(follow_reference(docs, 1, 0) if follow_mode else byte_stream(in_order(docs)))
+            return np.stack([sample(stream, i, SEQ) for i in range(4)])
+
+        np.testing.assert_array_equal(first("old-b", "b", num_epochs=1), want(old, False))
+        np.testing.assert_array_equal(first("old-f", "f", num_epochs=0), want(old, True))
+        admin = AdminClient({"bootstrap.servers": kafka_broker})
+        admin.delete_topics([topic])[topic].result(30)
+        for _ in range(100):   # (the broker forgets a deleted topic a moment later)
+            if topic not in admin.list_topics(timeout=10).topics:
+                break
+            time.sleep(0.1)
+        publish(kafka_broker, new, tmp_path, topic)
+        np.testing.assert_array_equal(first("new-b", "b", num_epochs=1), want(new, False))
+        np.testing.assert_array_equal(first("new-f", "f", num_epochs=0), want(new, True))

@@ -17,6 +17,7 @@ from feeder_client import FeederDataset
 from feeder.config import ServeConfig
 from feeder.sampler import n_samples
 from feeder.service.server import ServerThread
+from feeder.sources.kafka.consumer import topic_id
 from feeder.sources.kafka.once import build_once, lock_path
 from tests.helpers import check_batches, reference_ids
 from tests.test_kafka_regressions import EPOCH_MB, EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
@@ -85,7 +86,7 @@ def test_rank_waits_for_a_snapshot_another_feeder_builds_past_its_idle_timeout(k
                                   listen="127.0.0.1:0", cache_dir=str(cache), metrics_listen="127.0.0.1:0")) as srv:
         src = srv.server.engine.sources[topic]
         ranges = src.fingerprint
-        lock = lock_path(src._snapshots.dir_for(ranges, "fail"))
+        lock = lock_path(src._snapshots.dir_for(ranges, "fail", topic_id(kafka_broker, topic)))
         lock.parent.mkdir(parents=True)
         lock.write_text(json.dumps({"host": "feeder-b", "pid": 7, "phase": "reading", "records_done": 100,
                                     "records": 300, "ranges": ranges}))
@@ -139,7 +140,7 @@ def test_stream_of_a_rank_that_left_while_it_waited_is_closed_once_it_opens(kafk
                                   listen="127.0.0.1:0", cache_dir=str(tmp_path / "cache"))) as srv:
         src = srv.server.engine.sources[topic]
         ranges = src.fingerprint
-        lock = lock_path(src._snapshots.dir_for(ranges, "fail"))
+        lock = lock_path(src._snapshots.dir_for(ranges, "fail", topic_id(kafka_broker, topic)))
         lock.parent.mkdir(parents=True)
         lock.write_text("{}")   # another feeder builds it (and beats, below)
         from feeder_client import ClientConfig, FeederClient
@@ -158,7 +159,7 @@ def test_stream_of_a_rank_that_left_while_it_waited_is_closed_once_it_opens(kafk
         client.close()                         # the rank goes away while it waits
         lock.unlink()                          # the other builder gives up: this feeder builds, the stream opens
         deadline = time.monotonic() + 20
-        while not (src._snapshots.dir_for(ranges, "fail") / "manifest.json").exists():
+        while not (src._snapshots.dir_for(ranges, "fail", topic_id(kafka_broker, topic)) / "manifest.json").exists():
             assert time.monotonic() < deadline
             time.sleep(0.2)
         time.sleep(1.0)

@@ -487,3 +487,37 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
     for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats), 1):
         damage()
         assert served(f"bf-side-{k}") == want, damage.__name__
+
+
+def test_review_the_integrations_inputs_keep_documents_apart_in_a_hugging_face_model(feeder):
+    """Found by the outside review: transformers reads packed position_ids as document
+    boundaries only without a KV cache, and a model's config asks for one by default; the
+    integrations' batch_dict now says use_cache=False, so each document sees only itself."""
+    import torch
+
+    from feeder_trainer.integrations.common import batch_dict
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         attn_implementation="sdpa")).train()   # (a config's default: use_cache)
+    ds = FeederDataset([feeder.address], job="llama-batch-dict", rank=0, world_size=1, seq_len=255, micro_batch=4,
+                       seed=SEED, dataset="manifest", packing="best_fit", boundaries=True, read_ahead=1)
+    batch = next(iter(ds))
+    ds.client.close()
+    x = batch_dict(batch)
+    assert x["use_cache"] is False
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in x.items() if k != "labels"}).logits
+        ends = batch.boundaries.lengths.tolist()
+        ptr = batch.boundaries.ptr()
+        compared = 0
+        for r in range(len(ends)):
+            cuts = [*batch.boundaries.starts[ptr[r]:ptr[r + 1]].tolist(), ends[r]]
+            for a, e in zip(cuts[1:], cuts[2:]):   # a later document in the bin: alone, the same logits
+                alone = model(input_ids=batch.tokens[r:r + 1, a:e]).logits[0]
+                torch.testing.assert_close(logits[r, a:e], alone, rtol=1e-5, atol=1e-5)
+                compared += 1
+    assert compared > 0   # (bins of several documents were compared)

@@ -66,6 +66,27 @@ def partitions(consumer, topic: str, bootstrap: str) -> list[int]:
     return sorted(t.partitions)
 
 
+_ADMINS: dict[str, object] = {}
+_ADMINS_LOCK = threading.Lock()
+
+
+def topic_id(bootstrap: str, topic: str) -> str:
+    """Kafka's id of the topic: a topic deleted and created again under its name has another,
+    so what was read of the old one (a snapshot, a follow window) is not taken for the new one
+    with the same offsets. "" where the broker does not say (Kafka before 2.8) or cannot now."""
+    from confluent_kafka import TopicCollection
+    from confluent_kafka.admin import AdminClient
+
+    with _ADMINS_LOCK:
+        admin = _ADMINS.get(bootstrap)
+        if admin is None:
+            admin = _ADMINS[bootstrap] = AdminClient({"bootstrap.servers": bootstrap})
+    try:
+        return str(admin.describe_topics(TopicCollection([topic]))[topic].result(10).topic_id or "")
+    except Exception:   # noqa: BLE001 - an old broker, a moment's outage: the names alone, as before
+        return ""
+
+
 def close_soon(consumer) -> None:
     """close() has been seen to hang (confluent-kafka-python #1667): never wait on it."""
     threading.Thread(target=consumer.close, daemon=True, name="kafka-close").start()

@@ -45,11 +45,12 @@ class Snapshots:
         # process or feeder sharing the spool (cache) directory: for the log, status and metrics
         self.progress: dict[str, dict] = {}
 
-    def get(self, ranges: str, policy: str):
-        """The epoch `ranges` as a PosixSource (with `bad_records`: how many were skipped)."""
+    def get(self, ranges: str, policy: str, topic_id: str = ""):
+        """The epoch `ranges` as a PosixSource (with `bad_records`: how many were skipped), of
+        the topic whose Kafka id is `topic_id` (a recreated topic's same ranges are not its)."""
         from feeder.sources.posix import PosixSource
 
-        out = self.dir_for(ranges, policy)
+        out = self.dir_for(ranges, policy, topic_id)
         key = out.name
         with self._lock:
             snap = self._snapshots.get(key)
@@ -71,10 +72,11 @@ class Snapshots:
             return snap
 
 
-    def dir_for(self, ranges: str, policy: str) -> Path:
+    def dir_for(self, ranges: str, policy: str, topic_id: str = "") -> Path:
         """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
         key = hashlib.sha256(f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
-                             f"{self.url.max_record_bytes}".encode()).hexdigest()[:20]
+                             f"{self.url.max_record_bytes}{'|' + topic_id if topic_id else ''}".encode()
+                             ).hexdigest()[:20]
         return self.spool / f"{self.url.topic}-{key}"
 
     def _build_or_wait(self, out: Path, ranges: str, policy: str) -> None:

@@ -16,7 +16,7 @@ from feeder.cursor import Cursor, KafkaEpoch
 from feeder.errors import FailedPrecondition, InvalidArgument, WrongReplica
 from feeder.planning import StreamPlan
 from feeder.sources.kafka.codec import read_header
-from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, watermarks
+from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, topic_id, watermarks
 from feeder.sources.kafka.follow import FollowPlan
 from feeder.sources.kafka.groups import GroupCommits
 from feeder.sources.kafka.options import KafkaURL
@@ -179,14 +179,17 @@ class KafkaSource:
     def subscribe(self, spec: StreamSpec, policy: str, want=None) -> Subscription:
         """A follow stream's reader: through this process's shared window of the topic (shared.py)."""
         c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
+        tid = topic_id(bootstrap, topic)
         with self._meta_lock:
             parts = partitions(c, topic, bootstrap)
             w = self._window
-            if w is None or w.parts != parts:   # first stream, or the topic's partitions changed
+            # first stream, or the topic's partitions changed, or it is another topic of that name
+            if w is None or w.parts != parts or getattr(w, "topic_id", "") != tid:
                 if w is not None:
                     w.retire()
                 w = self._window = FollowWindow(self.url, parts, dtype=self.dtype, vocab_size=self.vocab_size,
                                                 eos_id=self.eos_id)
+                w.topic_id = tid
         return Subscription(w, policy=policy, job=spec.job, rank=spec.rank, world_size=spec.world_size,
                             low_watermarks=lambda: self._low_watermarks(parts), want=want)
 
@@ -202,8 +205,8 @@ class KafkaSource:
         return w.figures() if w is not None else {}
 
     def snapshot(self, ranges: str, policy: str):
-        """The frozen epoch as a local file dataset, built once per (ranges, policy)."""
-        return self._snapshots.get(ranges, policy)
+        """The frozen epoch as a local file dataset, built once per (topic id, ranges, policy)."""
+        return self._snapshots.get(ranges, policy, topic_id(self.url.bootstrap, self.url.topic))
 
     def commit_taken(self, job: str, rank: int, world: int, offsets: dict[int, int]) -> None:
         """Follow mode with ?group=NAME: commit, per partition, the offset every rank of the job

@@ -521,3 +521,85 @@ def test_review_the_integrations_inputs_keep_documents_apart_in_a_hugging_face_m
                 torch.testing.assert_close(logits[r, a:e], alone, rtol=1e-5, atol=1e-5)
                 compared += 1
     assert compared > 0   # (bins of several documents were compared)
+
+
+def test_review_feeders_whose_bins_differ_refuse_each_others_packed_cursors(tmp_path):
+    """Found by the outside review: a flat file rewritten in place with the same size and the same
+    first and last 4 KiB keeps its fingerprint, so a feeder that had packed it before and one
+    that packed it after took each other's cursors and dealt other bins. The packed cursors'
+    fingerprint now holds the bins' digest: refused, marked for another feeder."""
+    from feeder.errors import Code, FeederError
+    from tests.helpers import FeederProc
+
+    docs = make_docs(120, seed=5)
+    path = W.nanogpt(tmp_path / "train.bin", ids_of(docs), EOS)
+    before = path.read_bytes()
+    flags = ["--vocab-size", "257", "--eos-id", str(EOS)]
+
+    def cursor_of(address, job, packing, cursor=None):
+        ds = FeederDataset([address], job=job, rank=0, world_size=1, seq_len=BIN, micro_batch=2, seed=SEED,
+                           packing=packing, read_ahead=1, retry_for_s=5, cursor=cursor)
+        it = iter(ds)
+        c = [next(it) for _ in range(3)][-1].cursor
+        ds.client.close()
+        return c
+
+    a = FeederProc(path, extra=["--cache-dir", str(tmp_path / "a"), *flags])
+    try:
+        packed, plain = cursor_of(a.address, "bf-a", "best_fit"), cursor_of(a.address, "plain-a", "concat")
+    finally:
+        a.stop()
+    middle = docs[:40] + docs[40:80][::-1] + docs[80:]          # same tokens, other documents' order
+    W.nanogpt(path, ids_of(middle), EOS)
+    after = path.read_bytes()
+    assert len(after) == len(before) and after[:4096] == before[:4096] and after[-4096:] == before[-4096:]
+    b = FeederProc(path, extra=["--cache-dir", str(tmp_path / "b"), *flags])
+    try:
+        cursor_of(b.address, "plain-a", "concat", plain)         # (the same fingerprint: a window cursor goes on)
+        ds = FeederDataset([b.address], job="bf-a", rank=0, world_size=1, seq_len=BIN, micro_batch=2, seed=SEED,
+                           packing="best_fit", read_ahead=1, retry_for_s=3, cursor=packed)
+        with pytest.raises(FeederError) as e:
+            next(iter(ds))
+    finally:
+        b.stop()
+    assert e.value.code in (Code.FAILED_PRECONDITION, Code.UNAVAILABLE), e.value
+    assert "fingerprint" in str(e.value)
+
+
+def test_review_a_packing_build_does_not_hold_up_other_packings_or_status(formats, feeder, monkeypatch):
+    """Found by the outside review: one lock was held across every build, so while a large
+    dataset was packed (minutes at 10^9 documents) `feeder status` timed out and streams of
+    packings already built waited. Builds are now locked per (source, seq_len)."""
+    import threading
+    import time
+
+    from feeder.sources import packed as pk
+    from feeder.status import fetch
+
+    packed_epoch(feeder.address, "bf-lock-0", 1)
+    src = next(t.source for t in pk._tables.values() if t.seq_len == BIN and t.source.name == "manifest")
+    started, release = threading.Event(), threading.Event()
+    real = pk.build
+
+    def slow(source, seq_len, where):
+        started.set()
+        release.wait(20)
+        return real(source, seq_len, where)
+
+    monkeypatch.setattr(pk, "build", slow)
+    import shutil
+
+    shutil.rmtree(pk.directory() / pk.identity(src.fingerprint, 40), ignore_errors=True)   # (an earlier run's)
+    pk._tables.pop((src.fingerprint, 40), None)
+    other = threading.Thread(target=pk.packed, args=(src, 40))   # another seq_len: built, slowly
+    other.start()
+    try:
+        assert started.wait(10)
+        t0 = time.monotonic()
+        assert pk.packed(src, BIN).seq_len == BIN
+        assert fetch(feeder.address).packings
+        assert len(packed_epoch(feeder.address, "bf-lock-1", 1)[0]) > 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
+        other.join(30)

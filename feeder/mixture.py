@@ -222,11 +222,12 @@ class Checkpoints:
             rows = slots[by_row] // BLEND_EVERY
             cuts = np.flatnonzero(np.diff(rows)) + 1
             groups = np.split(by_row, cuts)
-            states = [self._row(int(slots[g[0]]) // BLEND_EVERY) for g in groups]
+            first_rows = rows[np.concatenate([[0], cuts])].tolist()
+            states = [self._row(r) for r in first_rows]
             if all(st is not None for st in states):
-                for g, st in zip(groups, states):
+                for g, r, st in zip(groups, first_rows, states):
                     s, d = np.empty(len(g), np.int64), np.empty(len(g), np.int64)
-                    _native_blend_at(self.weights, st[None], BLEND_EVERY, slots[g], s, d, int(slots[g[0]]) // BLEND_EVERY)
+                    _native_blend_at(self.weights, st[None], BLEND_EVERY, slots[g], s, d, r)
                     src[g], draw[g] = s, d
                 return src, draw
         self.ensure(int(slots.max()))

@@ -44,6 +44,10 @@ class Engine:
         self.ledger = _open_ledger(cfg.ledger) if cfg.ledger else None
         # One of several processes on this port (`feeder serve --processes N`)
         self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
+        # Called (on the event loop) when a stream opens or closes or a job first reports: the
+        # server then leaves its status for the siblings at once rather than at the next second,
+        # so `feeder status` on any process sees a rank that just connected or finished.
+        self.on_change: Callable[[], None] = lambda: None
         self.version = __version__
         # Large epoch orders of torch's kind: built once into the cache directory, shared.
         self.orders = OrderStore(cfg.cache, max_bytes=int(cfg.cache_max_gb * 2**30))
@@ -129,6 +133,7 @@ class Engine:
                  spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,
                  plan.start.epoch, plan.start.step, peer, " (resumed)" if decoded else "",
                  " (failover)" if failover else "")
+        self.on_change()
         return stream
 
     def delivered(self, stream: RankStream, block: Block) -> None:
@@ -160,6 +165,7 @@ class Engine:
             else:
                 st.state = "disconnected"
         log.info("stream closed job=%s rank=%d: %s", stream.spec.job, stream.spec.rank, reason)
+        self.on_change()
 
     def report(self, job: str, rank: int, wait_s: float, step_s: float,
                position: tuple[int, int] | None = None, batches: int = 0) -> None:
@@ -170,6 +176,7 @@ class Engine:
         j = self.jobs.get(job)
         if position is not None and rank not in j.ranks:
             j.ranks[rank] = RankState(rank=rank, state="reporting")
+            self.on_change()
         st = j.ranks.get(rank)
         if st is None:
             raise NotFound(f"job {job!r} has no rank {rank} on this feeder (ranks: {sorted(j.ranks)})")

@@ -2,9 +2,10 @@
 
 The kernel hands each new connection to one of the processes (SO_REUSEPORT), so a rank's
 stream, and an operator's `feeder status`, land on any of them. Each process therefore
-writes its whole status (a StatusReply) to the supervisor's directory every second, and a
-Status call merges the answering process's live status with the others' (those written in
-the last STALE_S seconds: a process that died or hangs drops out of the view).
+writes its whole status (a StatusReply) to the supervisor's directory every second and when a
+stream opens or closes, and a Status call merges the answering process's live status with the
+others' (those written in the last STALE_S seconds: a process that died or hangs drops out of
+the view).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from feeder.v1 import feeder_pb2 as pb
 
 EVERY_S = 1.0
+COALESCE_S = 0.05   # after a stream opens or closes, what else changes meanwhile goes in the same write
 STALE_S = 5.0
 # Counters that add up over the processes a rank was served by (a rank that reconnects may
 # land on another process); everything else describes the rank now, and comes from the

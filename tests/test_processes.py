@@ -85,11 +85,13 @@ def gone(pid: int) -> bool:
 
 
 def _eventually(check, timeout=10):
+    """What the processes leave each other is current within a second: until then a process
+    may not know a job whose ranks all streamed from the other (NotFound), or know it partly."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return check()
-        except AssertionError:
+        except (AssertionError, NotFound):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)

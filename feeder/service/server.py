@@ -145,16 +145,24 @@ class Server:
         return self.port
 
     async def _publish_status(self) -> None:
-        """Leave this process's status for the other processes of this port, every second."""
-        from feeder.siblings import EVERY_S
+        """Leave this process's status for the other processes of this port: every second, and
+        soon after a stream opens or closes (coalesced over COALESCE_S, so 64 ranks connecting
+        at once cost a few writes, not 64)."""
+        from feeder.siblings import COALESCE_S, EVERY_S
 
-        siblings = self.engine.siblings
+        siblings, changed = self.engine.siblings, asyncio.Event()
+        self.engine.on_change = changed.set
         while True:
+            changed.clear()
             try:
                 await asyncio.to_thread(siblings.publish, status_reply(self.engine))
             except OSError as e:   # a full or vanished directory: the view misses us, serving goes on
                 log.warning("cannot leave status for the other processes: %s", e)
-            await asyncio.sleep(EVERY_S)
+            try:
+                await asyncio.wait_for(changed.wait(), EVERY_S)
+                await asyncio.sleep(COALESCE_S)
+            except TimeoutError:
+                pass
 
     @property
     def address(self) -> str:

@@ -30,12 +30,16 @@ static void mt_seed(mt_t *m, uint32_t seed) {
     m->i = MT_N;
 }
 
+/* The twist in its three ranges, without a modulo per word: the draws are half of a build's
+ * time, and `% MT_N` in the loop made them twice as slow. */
+#define MT_TW(j, j1, jm) { uint32_t y = (s[j] & 0x80000000u) | (s[j1] & 0x7fffffffu); \
+                           s[j] = s[jm] ^ (y >> 1) ^ (-(y & 1u) & 0x9908b0dfu); }
 static void mt_twist(mt_t *m) {
     uint32_t *s = m->s;
-    for (int j = 0; j < MT_N; j++) {
-        uint32_t y = (s[j] & 0x80000000u) | (s[(j + 1) % MT_N] & 0x7fffffffu);
-        s[j] = s[(j + MT_M) % MT_N] ^ (y >> 1) ^ ((y & 1u) ? 0x9908b0dfu : 0u);
-    }
+    int j = 0;
+    for (; j < MT_N - MT_M; j++) MT_TW(j, j + 1, j + MT_M)
+    for (; j < MT_N - 1; j++) MT_TW(j, j + 1, j + MT_M - MT_N)
+    MT_TW(MT_N - 1, 0, MT_M - 1)
     m->i = 0;
 }
 

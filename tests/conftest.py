@@ -34,23 +34,52 @@ def feeder(dataset):
     srv.stop()
 
 
+def _kafka_port() -> int:
+    return int(os.environ.get("FEEDER_KAFKA_PORT", 9092))
+
+
+def _started_mark():
+    """Left while a broker the tests started runs: whichever process of the run (`pytest -n 2`
+    has a worker per core) started it, the run's controller stops it at the end."""
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / f"feeder-tests-started-kafka-{_kafka_port()}"
+
+
+def _broker_script():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.py"
+
+
 @pytest.fixture(scope="session")
 def kafka_broker():
     """The real broker from `make kafka` (127.0.0.1:$FEEDER_KAFKA_PORT, default 9092); started
-    here, and stopped afterwards, when the tests run without it."""
+    here when the tests run without it (one worker starts it, the others wait on the lock), and
+    stopped when the whole run ends (pytest_sessionfinish below)."""
+    import fcntl
     import socket
     import subprocess
     import sys
-    from pathlib import Path
 
-    port = int(os.environ.get("FEEDER_KAFKA_PORT", 9092))
-    script = Path(__file__).resolve().parents[1] / "deploy" / "kafka" / "broker.py"
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        started = False
-    except OSError:
-        subprocess.run([sys.executable, str(script), "start", "--port", str(port)], check=True)
-        started = True
+    port = _kafka_port()
+    with open(f"{_started_mark()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            subprocess.run([sys.executable, str(_broker_script()), "start", "--port", str(port)], check=True)
+            _started_mark().touch()
     yield f"127.0.0.1:{port}"
-    if started:
-        subprocess.run([sys.executable, str(script), "stop"], check=False)
+
+
+def pytest_sessionfinish(session):
+    import subprocess
+    import sys
+
+    if hasattr(session.config, "workerinput"):   # an xdist worker: the controller ends the run
+        return
+    if _started_mark().exists():
+        subprocess.run([sys.executable, str(_broker_script()), "stop"], check=False)
+        _started_mark().unlink(missing_ok=True)

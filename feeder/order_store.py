@@ -9,10 +9,12 @@ only the pages read are resident. The next epoch's order is built in the backgro
 one is served (`prepare`), so an epoch boundary does not stall.
 
 One builder per file: an flock on `<file>.lock` elects it across processes and hosts; the
-others wait for the file to appear. The file is built in memory-backed space (/dev/shm where
-the cache directory is on a disk: a random-access shuffle over a disk-backed mapping is paced by
-writeback, ~4x slower) and moved into place complete (rename), so a reader never sees a partial
-order. Progress is kept per build (`builds()`: status, metrics, the log), and `stop()` (SIGTERM)
+others wait for the file to appear. A large order is drawn in anonymous memory on huge pages
+(2 MB TLB entries: at 10^9 samples the shuffle's page walks were a fifth of its time, 37 s ->
+28 s) and then written out in one sequential pass that frees each part as it goes; elsewhere it
+is drawn in memory-backed space (/dev/shm where the cache directory is on a disk: a
+random-access shuffle over a disk-backed mapping is paced by writeback, ~4x slower). Either way
+it is moved into place complete (rename), so a reader never sees a partial order. Progress is kept per build (`builds()`: status, metrics, the log), and `stop()` (SIGTERM)
 ends a build within milliseconds. Files beyond `max_bytes` are removed oldest-used first.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ from feeder.sampler import OrderPending
 log = logging.getLogger("feeder.orders")
 
 RETRY_S = 5.0           # a failed build (disk full, permissions) is tried again this often
+HUGE_FROM = 256 << 20   # orders this large are drawn on huge pages (below, the page tables fit in cache)
+WRITE_CHUNK = 64 << 20  # the huge-page build is written out and freed in parts this large
 
 
 @dataclass
@@ -215,23 +219,18 @@ class OrderStore:
         n, dtype = b.n, order.order_dtype(b.n)
         size = n * dtype.itemsize
         self._make_room(size)
-        scratch_dir = self.dir if _memory_backed(self.dir) else _shm_dir(size) or self.dir
+        huge = _huge_pages_for(size)
+        scratch_dir = self.dir if huge or _memory_backed(self.dir) else _shm_dir(size) or self.dir
         scratch = os.path.join(scratch_dir, f".{b.name}.{_HOST}.{os.getpid()}.part")   # (see _remove_orphans)
         fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        log.info("order %s: building %s (%.1f GB) in %s", b.name, f"{n:,} ids", size / 1e9, scratch_dir)
+        log.info("order %s: building %s (%.1f GB) %s", b.name, f"{n:,} ids", size / 1e9,
+                 "on huge pages" if huge else f"in {scratch_dir}")
         t0 = time.monotonic()
         try:
             with os.fdopen(fd, "r+b") as f:
-                # Every block reserved now: a sparse file on a filesystem that fills up during the
-                # build would kill this process with SIGBUS at the first page it cannot back; this
-                # raises "No space left on device" instead (said to the ranks, tried again later).
-                os.posix_fallocate(f.fileno(), 0, size)
-                with mmap.mmap(f.fileno(), size) as mm:
-                    out = np.frombuffer(mm, dtype=dtype)
-                    reporter = threading.Thread(target=self._report, args=(b, path), daemon=True)
-                    reporter.start()
-                    stopped = order.torch_randperm(n, seed, kind, out=out, progress=b.progress)[1]
-                    del out   # (the mapping closes only once no array views it)
+                reporter = threading.Thread(target=self._report, args=(b, path), daemon=True)
+                reporter.start()
+                stopped = (self._draw_on_huge_pages if huge else self._draw_mapped)(b, f, seed, kind, dtype)
                 if stopped:
                     raise _Stopped()
                 if scratch_dir != self.dir:   # onto the cache directory's filesystem, in one pass
@@ -255,6 +254,46 @@ class OrderStore:
         self.built += 1
         self.build_seconds += took
         log.info("order %s: built in %.1f s", b.name, took)
+
+    @staticmethod
+    def _draw_mapped(b: Build, f, seed: int, kind: str, dtype: np.dtype) -> bool:
+        """Drawn straight into the file `f`, mapped: True when stopped."""
+        size = b.n * dtype.itemsize
+        # Every block reserved now: a sparse file on a filesystem that fills up during the
+        # build would kill this process with SIGBUS at the first page it cannot back; this
+        # raises "No space left on device" instead (said to the ranks, tried again later).
+        os.posix_fallocate(f.fileno(), 0, size)
+        with mmap.mmap(f.fileno(), size) as mm:
+            out = np.frombuffer(mm, dtype=dtype)
+            stopped = order.torch_randperm(b.n, seed, kind, out=out, progress=b.progress)[1]
+            del out   # (the mapping closes only once no array views it)
+        return stopped
+
+    @staticmethod
+    def _draw_on_huge_pages(b: Build, f, seed: int, kind: str, dtype: np.dtype) -> bool:
+        """Drawn in anonymous memory on huge pages, then written to `f` in order, each part
+        freed once written (so the order is held about once, not twice, even when `f` is on
+        tmpfs); a full filesystem is an OSError of write(), never a SIGBUS. True when stopped."""
+        size = b.n * dtype.itemsize
+        with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as mm:
+            try:
+                mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:   # a kernel without them: the same order, on small pages
+                pass
+            out = np.frombuffer(mm, dtype=dtype)
+            stopped = order.torch_randperm(b.n, seed, kind, out=out, progress=b.progress)[1]
+            del out
+            if stopped:
+                return True
+            view = memoryview(mm)
+            try:
+                for at in range(0, size, WRITE_CHUNK):
+                    f.write(view[at:at + WRITE_CHUNK])
+                    mm.madvise(mmap.MADV_DONTNEED, at, min(WRITE_CHUNK, size - at))
+                f.flush()   # all of it in the file before the file is renamed into place
+            finally:
+                view.release()
+        return False
 
     def _report(self, b: Build, path: str) -> None:
         """Progress into the log every 10 % and into a sidecar other processes read."""
@@ -345,6 +384,22 @@ def _fs_type(path: str) -> str:
     except OSError:
         pass
     return kind
+
+
+def _huge_pages_for(size: int) -> bool:
+    """Draw an order of `size` bytes on huge pages: a large one, where the kernel gives
+    transparent huge pages to madvise (or always), with the memory for it twice over."""
+    if size < HUGE_FROM:
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return False
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return available > 2 * size
 
 
 def _shm_dir(size: int) -> str | None:

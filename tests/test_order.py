@@ -573,13 +573,17 @@ def test_review2_an_order_larger_than_the_cache_is_refused_before_any_other_is_r
     assert other.exists() and not st.builds()
 
 
-def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_sigbus(tmp_path):
+@pytest.mark.parametrize("huge", [False, True], ids=["mapped", "huge-pages"])
+def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_sigbus(tmp_path, huge):
     """R4: a build on a sparse mapping killed the feeder with SIGBUS when its filesystem filled
-    (a 16 MB tmpfs here, in a mount namespace of our own); every block is now reserved first."""
+    (a 16 MB tmpfs here, in a mount namespace of our own); every block is now reserved first.
+    An order drawn on huge pages (forced here: this one is small) fails at its write instead."""
     cache = tmp_path / "small"
     cache.mkdir()
     script = (
         "import sys, time\n"
+        "import feeder.order_store as store\n"
+        f"store._huge_pages_for = lambda size: {huge}\n"
         "from feeder.order_store import OrderStore\n"
         "from feeder.sampler import OrderPending\n"
         "st = OrderStore(sys.argv[1])\n"
@@ -593,3 +597,27 @@ def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_
                         "sh", str(cache), sys.executable, script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])
     assert "No space left on device" in r.stdout, r.stdout + r.stderr[-500:]
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["mapped", "huge-pages"])
+def test_the_order_store_builds_torchs_order_either_way_and_leaves_no_scratch(tmp_path, monkeypatch, huge):
+    """The store draws a large order on huge pages and writes it out in parts, else straight
+    into a mapped file: the same ids as torch.randperm either way (forced here at a size
+    whose parts are not whole: 3 parts and 4 bytes), and nothing left beside the order."""
+    import feeder.order_store as store
+
+    monkeypatch.setattr(store, "_huge_pages_for", lambda size: huge)
+    monkeypatch.setattr(store, "WRITE_CHUNK", 1 << 20)
+    n, seed = 3 * (1 << 18) + 1, 11
+    st = store.OrderStore(str(tmp_path))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            got = st.get(n, seed, "torch")
+            break
+        except sampler.OrderPending:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    want = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    assert np.array_equal(np.asarray(got), want)
+    assert sorted(p.name for p in (tmp_path / "orders").iterdir()) == [st.name(n, seed, "torch")]

@@ -260,13 +260,11 @@ def test_a_cursor_naming_a_permutation_a_feeder_lacks_is_refused_and_the_rank_mo
 
 # -- the stateless order ---------------------------------------------------------------------------
 
-def test_stateless_is_a_bijection_for_every_n_up_to_2_12_and_for_drawn_n_up_to_2_16():
-    """Every n in 1..2^12 and 600 drawn in (2^12, 2^16], each whole: every id of [0, n) comes
-    exactly once. (Every n to 2^16 took 76 s of CI: 2*10^9 ids. The n around each power of two,
-    where the walk's domain changes, are the next test's, to 2^40.)"""
+def test_stateless_is_a_bijection_for_every_n_up_to_2_16():
+    """Every n in 1..2^16, each whole: every id of [0, n) comes exactly once (issue 25 asks for
+    every n: 2*10^9 ids, about a minute, on one of make test's two workers)."""
     everything = np.arange(2**16, dtype=np.int64)
-    drawn = np.random.default_rng(2016).integers(2**12 + 1, 2**16 + 1, 600)
-    for n in [*range(1, 2**12 + 1), *drawn.tolist(), 2**16]:
+    for n in range(1, 2**16 + 1):
         ids = order.Stateless(n, 77)[everything[:n]]
         assert np.bincount(ids, minlength=n).max() == 1 and ids.max() < n, n
 

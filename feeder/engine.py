@@ -44,9 +44,10 @@ class Engine:
         self.ledger = _open_ledger(cfg.ledger) if cfg.ledger else None
         # One of several processes on this port (`feeder serve --processes N`)
         self.siblings = Siblings(cfg.sibling_dir, cfg.process_index) if cfg.sibling_dir else None
-        # Called (on the event loop) when a stream opens or closes or a job first reports: the
-        # server then leaves its status for the siblings at once rather than at the next second,
-        # so `feeder status` on any process sees a rank that just connected or finished.
+        # Called (on the event loop) when a stream opens or closes, or a report adds a rank or
+        # changes its state: the server then leaves its status for the siblings at once rather
+        # than at the next second, so `feeder status` on any process sees a rank that just
+        # connected or finished.
         self.on_change: Callable[[], None] = lambda: None
         self.version = __version__
         # Large epoch orders of torch's kind: built once into the cache directory, shared.
@@ -183,7 +184,10 @@ class Engine:
         st.wait_s += max(0.0, wait_s)
         st.step_s += max(0.0, step_s)
         if position is not None:
+            was = st.state
             st.took(position)
+            if st.state != was:   # ("all sent" -> "finished": the siblings' view must not lag it)
+                self.on_change()
             stream = j.streams.get((rank, 0))
             if stream is not None:
                 stream.plan.taken(position[1])

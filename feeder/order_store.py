@@ -19,6 +19,7 @@ ends a build within milliseconds. Files beyond `max_bytes` are removed oldest-us
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import logging
@@ -52,6 +53,7 @@ class Build:
     progress: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))   # [done, stop]
     here: bool = True           # built by this process (else waited for)
     error: str = ""
+    failed_at: float = 0.0      # when it failed: tried again RETRY_S after that, not after its start
 
     @property
     def fraction(self) -> float:
@@ -162,8 +164,8 @@ class OrderStore:
     def _start(self, name: str, n: int, seed: int, kind: str) -> Build:
         with self._lock:
             b = self._builds.get(name)
-            if b is not None and (not b.error or time.monotonic() - b.started < RETRY_S):
-                return b   # (a failed build is tried again after RETRY_S, not at every poll)
+            if b is not None and (not b.error or time.monotonic() - b.failed_at < RETRY_S):
+                return b   # (a failed build is tried again RETRY_S after it failed, not at every poll)
             b = self._builds[name] = Build(name=name, n=n)
             if self._stopped:
                 b.progress[1] = 1
@@ -187,7 +189,7 @@ class OrderStore:
                 if os.path.exists(path):   # (a waiter that opened it finds the order there once it has it)
                     os.unlink(path + ".lock")
         except Exception as e:   # (disk full, permissions): the stream says so and asks again
-            b.error = str(e)
+            b.error, b.failed_at = str(e), time.monotonic()
             log.error("order %s: build failed: %s", b.name, e)
         finally:
             with self._lock:
@@ -226,24 +228,35 @@ class OrderStore:
         log.info("order %s: building %s (%.1f GB) %s", b.name, f"{n:,} ids", size / 1e9,
                  "on huge pages" if huge else f"in {scratch_dir}")
         t0 = time.monotonic()
+        # Progress into the log and the sidecar until this build ends, however it ends: the
+        # reporter is stopped and joined before the sidecar is removed, so none is left behind.
+        ended = threading.Event()
+        reporter = threading.Thread(target=self._report, args=(b, path, ended), daemon=True)
         try:
             with os.fdopen(fd, "r+b") as f:
-                reporter = threading.Thread(target=self._report, args=(b, path), daemon=True)
                 reporter.start()
-                stopped = (self._draw_on_huge_pages if huge else self._draw_mapped)(b, f, seed, kind, dtype)
+                stopped = (self._draw_on_huge_pages if huge else self._draw_mapped)(b, f, scratch_dir, seed, kind, dtype)
                 if stopped:
                     raise _Stopped()
                 if scratch_dir != self.dir:   # onto the cache directory's filesystem, in one pass
                     part = os.path.join(self.dir, os.path.basename(scratch))
-                    shutil.copyfile(scratch, part)
+                    try:
+                        shutil.copyfile(scratch, part)
+                    except BaseException:   # (a full disk: the part copied so far must not fill it)
+                        if os.path.exists(part):
+                            os.unlink(part)
+                        raise
                     os.unlink(scratch)
                     scratch = part
                 os.replace(scratch, path)
         except _Stopped:
             log.info("order %s: build stopped at %.0f%%", b.name, 100 * b.fraction)
-            b.error = "stopped"
+            b.error, b.failed_at = "stopped", time.monotonic()
             return
         finally:
+            ended.set()
+            if reporter.is_alive():
+                reporter.join()
             if os.path.exists(scratch):
                 os.unlink(scratch)
             try:
@@ -256,8 +269,8 @@ class OrderStore:
         log.info("order %s: built in %.1f s", b.name, took)
 
     @staticmethod
-    def _draw_mapped(b: Build, f, seed: int, kind: str, dtype: np.dtype) -> bool:
-        """Drawn straight into the file `f`, mapped: True when stopped."""
+    def _draw_mapped(b: Build, f, where: str, seed: int, kind: str, dtype: np.dtype) -> bool:
+        """Drawn straight into the file `f` (in directory `where`), mapped: True when stopped."""
         size = b.n * dtype.itemsize
         # Every block reserved now: a sparse file on a filesystem that fills up during the
         # build would kill this process with SIGBUS at the first page it cannot back; this
@@ -270,11 +283,21 @@ class OrderStore:
         return stopped
 
     @staticmethod
-    def _draw_on_huge_pages(b: Build, f, seed: int, kind: str, dtype: np.dtype) -> bool:
+    def _draw_on_huge_pages(b: Build, f, where: str, seed: int, kind: str, dtype: np.dtype) -> bool:
         """Drawn in anonymous memory on huge pages, then written to `f` in order, each part
         freed once written (so the order is held about once, not twice, even when `f` is on
-        tmpfs); a full filesystem is an OSError of write(), never a SIGBUS. True when stopped."""
+        tmpfs); a full filesystem is an OSError, never a SIGBUS. True when stopped."""
         size = b.n * dtype.itemsize
+        # Room first, so a full filesystem fails now and not after a draw of 30 s (drawn again
+        # and again). On a disk the blocks are reserved; on tmpfs reserving them would hold
+        # the order twice while it is drawn, so there free space is checked instead.
+        if _memory_backed(where):
+            st = os.fstatvfs(f.fileno())
+            if st.f_bavail * st.f_frsize < size:
+                raise OSError(errno.ENOSPC, f"No space left on device: the order needs {size:,} bytes, "
+                                            f"{where} has {st.f_bavail * st.f_frsize:,} free")
+        else:
+            os.posix_fallocate(f.fileno(), 0, size)
         with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as mm:
             try:
                 mm.madvise(mmap.MADV_HUGEPAGE)
@@ -288,6 +311,8 @@ class OrderStore:
             view = memoryview(mm)
             try:
                 for at in range(0, size, WRITE_CHUNK):
+                    if b.progress[1]:   # stop() while writing out (SIGTERM): within one part
+                        return True
                     f.write(view[at:at + WRITE_CHUNK])
                     mm.madvise(mmap.MADV_DONTNEED, at, min(WRITE_CHUNK, size - at))
                 f.flush()   # all of it in the file before the file is renamed into place
@@ -295,10 +320,10 @@ class OrderStore:
                 view.release()
         return False
 
-    def _report(self, b: Build, path: str) -> None:
+    def _report(self, b: Build, path: str, ended: threading.Event) -> None:
         """Progress into the log every 10 % and into a sidecar other processes read."""
         shown = 0
-        while b.name in self._builds and not b.progress[1] and b.fraction < 1:
+        while not ended.is_set() and not b.progress[1] and b.fraction < 1:
             f = b.fraction
             if f >= shown + 0.1:
                 shown = int(f * 10) / 10
@@ -308,7 +333,7 @@ class OrderStore:
                     p.write(str(int(b.progress[0])))
             except OSError:
                 pass
-            time.sleep(0.5)
+            ended.wait(0.5)
 
     def _make_room(self, size: int) -> None:
         """Remove the least recently used orders until `size` more bytes fit in max_bytes."""

@@ -595,6 +595,8 @@ def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_
                         "sh", str(cache), sys.executable, script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])
     assert "No space left on device" in r.stdout, r.stdout + r.stderr[-500:]
+    if huge:   # refused before the draw, not after it (review: a 30 s draw, failed, drawn again at once)
+        assert "the order needs 32,000,000 bytes" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("huge", [False, True], ids=["mapped", "huge-pages"])
@@ -619,3 +621,40 @@ def test_the_order_store_builds_torchs_order_either_way_and_leaves_no_scratch(tm
     want = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     assert np.array_equal(np.asarray(got), want)
     assert sorted(p.name for p in (tmp_path / "orders").iterdir()) == [st.name(n, seed, "torch")]
+
+
+def test_review3_a_disk_cache_that_fills_while_the_order_is_copied_onto_it_keeps_no_part(tmp_path, monkeypatch):
+    """An order drawn in /dev/shm and copied onto a disk cache that fills: the part copied so far
+    stayed, holding the disk at 100 % until the next process started (outside review). Now the
+    build fails with the disk's error, nothing of it is left in either place, no progress
+    sidecar either, and it is tried again RETRY_S after it failed."""
+    import errno
+
+    import feeder.order_store as store
+
+    def full(src, dst):
+        with open(dst, "wb") as f:
+            f.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_huge_pages_for", lambda size: False)
+    monkeypatch.setattr(store, "_memory_backed", lambda path: False)   # the cache is "on a disk"
+    monkeypatch.setattr(store, "_shm_dir", lambda size: str(tmp_path / "shm"))
+    monkeypatch.setattr(store.shutil, "copyfile", full)
+    (tmp_path / "shm").mkdir()
+    st = store.OrderStore(str(tmp_path / "cache"))
+    n, seed = 100_000, 5
+    deadline = time.monotonic() + 30
+    while True:
+        with pytest.raises(sampler.OrderPending) as e:
+            st.get(n, seed, "torch")
+        if "failed" in str(e.value):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert "No space left on device" in str(e.value)
+    time.sleep(0.6)   # (a reporter still running would write its sidecar again by now)
+    left = os.listdir(tmp_path / "cache" / "orders") + os.listdir(tmp_path / "shm")   # (the parts are dotfiles)
+    assert left == [st.name(n, seed, "torch") + ".lock"], left
+    with pytest.raises(sampler.OrderPending, match="trying again"):
+        st.get(n, seed, "torch")   # within RETRY_S of the failure: not drawn again

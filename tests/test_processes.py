@@ -211,3 +211,48 @@ def test_status_of_several_processes_merges_each_rank_once():
     assert (r0.rank, r0.batches_sent) == (0, 7)
     assert (r1.rank, r1.connected, r1.state, r1.samples_done, r1.last_error) == (1, True, "streaming", 44, "")
     assert (r1.batches_sent, r1.bytes_sent, r1.tokens_sent, r1.failovers, r1.restarts) == (13, 130, 1300, 1, 1)
+
+
+def test_a_process_leaves_its_status_for_the_others_when_a_rank_finishes_not_only_each_second(
+        dataset, tmp_path, monkeypatch):
+    """With the once-a-second write pushed out of the test's reach (an hour), what the other
+    processes read still follows the rank: streaming, all sent when its stream ends, finished
+    when its loop reports the last batch taken (that report was seen only at the next second:
+    answers flipped between finished and all sent, outside review)."""
+    import grpc
+
+    import feeder.siblings as siblings
+    from feeder.config import ServeConfig
+    from feeder.service.server import ServerThread
+    from feeder.v1 import feeder_pb2 as pb
+    from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr(siblings, "EVERY_S", 3600.0)
+    srv = ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=4096,
+                                   sibling_dir=str(tmp_path), process_index=0))
+    other = siblings.Siblings(str(tmp_path), 1)   # what process 1 reads of process 0
+
+    def state(job):
+        for reply in other.others():
+            for j in reply.jobs:
+                if j.job == job:
+                    return j.ranks[0].state if j.ranks else ""
+        return None
+
+    def wait_for(job, want):
+        deadline = time.monotonic() + 10
+        while state(job) != want:
+            assert time.monotonic() < deadline, (want, state(job))
+            time.sleep(0.02)
+
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.FeederStub(ch)
+            replies = list(stub.Stream(pb.StreamRequest(job="fresh", rank=0, world_size=1, seq_len=SEQ,
+                                                        micro_batch=MB, num_epochs=1), timeout=60))
+            assert replies
+            wait_for("fresh", "all sent")
+            stub.Report(pb.ReportRequest(job="fresh", rank=0, has_position=True, epoch=0, step=10**6), timeout=10)
+            wait_for("fresh", "finished")
+    finally:
+        srv.stop()

@@ -44,7 +44,7 @@ docs: env
 # whatever the outcome (the suite's exit code is kept).
 # TEST_JOBS pytest workers (pytest-xdist), each taking whole files: a test spends much of its
 # time waiting on servers, trainers and timeouts, so 2 workers on CI's 2 cores take the suite
-# from ~17 to ~11 minutes. TEST_JOBS=0 runs it in one process.
+# from ~18 to ~12 minutes. TEST_JOBS=0 runs it in one process.
 TEST_JOBS ?= 2
 PYTEST_JOBS = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 test: env toxiproxy

@@ -10,12 +10,13 @@ one is served (`prepare`), so an epoch boundary does not stall.
 
 One builder per file: an flock on `<file>.lock` elects it across processes and hosts; the
 others wait for the file to appear. A large order is drawn in anonymous memory on huge pages
-(2 MB TLB entries: at 10^9 samples the shuffle's page walks were a fifth of its time, 37 s ->
+(2 MB TLB entries: at 10^9 samples the shuffle's page walks were a fifth of its time, 39 s ->
 28 s) and then written out in one sequential pass that frees each part as it goes; elsewhere it
 is drawn in memory-backed space (/dev/shm where the cache directory is on a disk: a
 random-access shuffle over a disk-backed mapping is paced by writeback, ~4x slower). Either way
-it is moved into place complete (rename), so a reader never sees a partial order. Progress is kept per build (`builds()`: status, metrics, the log), and `stop()` (SIGTERM)
-ends a build within milliseconds. Files beyond `max_bytes` are removed oldest-used first.
+it is moved into place complete (rename), so a reader never sees a partial order. Progress is
+kept per build (`builds()`: status, metrics, the log), and `stop()` (SIGTERM) ends a build
+within milliseconds. Files beyond `max_bytes` are removed oldest-used first.
 """
 from __future__ import annotations
 

@@ -564,6 +564,17 @@ static void sha256_finish(const uint32_t mid[8], uint64_t done, const unsigned c
     for (int i = 0; i < 8; i++) put_be32(out + 4 * i, st[i]);
 }
 
+/* HMAC's inner and outer states after their pads (RFC 2104), from the 64-byte block key. */
+static void hmac_pads(const unsigned char k[64], uint32_t inner[8], uint32_t outer[8]) {
+    unsigned char pad[64];
+    memcpy(inner, H256, 8 * sizeof(uint32_t));
+    memcpy(outer, H256, 8 * sizeof(uint32_t));
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x36;
+    sha256_block(inner, pad);
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5C;
+    sha256_block(outer, pad);
+}
+
 #define CURSOR_TAIL 28   /* cursor.py's _TAIL: epoch u32, base u64, pos u64, step u64 */
 #define CURSOR_MAC 16
 
@@ -599,15 +610,10 @@ static PyObject *cursors(PyObject *self, PyObject *args) {
      * builder that let go for microseconds of hashing then waited that long to go on, once per
      * run (an epoch boundary inside a message starts a new run). */
     {
-    const unsigned char *k = key.buf, *hd = head.buf;
-    unsigned char pad[64], tail[128], digest[32];
+    const unsigned char *hd = head.buf;
+    unsigned char tail[128], digest[32];
     uint32_t inner[8], outer[8];
-    memcpy(inner, H256, sizeof inner);
-    memcpy(outer, H256, sizeof outer);
-    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x36;
-    sha256_block(inner, pad);
-    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5C;
-    sha256_block(outer, pad);
+    hmac_pads(key.buf, inner, outer);
     size_t full = head_len / 64 * 64, rem = head_len - full;
     for (size_t at = 0; at < full; at += 64) sha256_block(inner, hd + at);
     memcpy(tail, hd + full, rem);
@@ -637,6 +643,32 @@ done:
     PyMem_Free(pos);
     PyMem_Free(buf);
     return out;
+}
+
+/* mac(key, body) -> HMAC-SHA256(key, body), key already its 64-byte block (cursor.py's _mac):
+ * the MAC of a cursor a plan writes whole (a Kafka follow stream's, one per batch). Holding the
+ * GIL, as cursors does, and for the same reason: hmac.digest lets it go for every cursor, and
+ * with a feeder's W streams busy each release handed it to another thread (issue 26). */
+static PyObject *mac_py(PyObject *self, PyObject *args) {
+    Py_buffer key, body;
+    if (!PyArg_ParseTuple(args, "y*y*", &key, &body)) return NULL;
+    if (key.len != 64) {
+        PyErr_Format(PyExc_ValueError, "key must be the 64-byte HMAC block key, got %zd bytes", key.len);
+        PyBuffer_Release(&key);
+        PyBuffer_Release(&body);
+        return NULL;
+    }
+    const unsigned char *b = body.buf;
+    unsigned char digest[32];
+    uint32_t inner[8], outer[8];
+    hmac_pads(key.buf, inner, outer);
+    size_t len = (size_t)body.len, full = len / 64 * 64;
+    for (size_t at = 0; at < full; at += 64) sha256_block(inner, b + at);
+    sha256_finish(inner, 64 + full, b + full, len - full, digest);
+    sha256_finish(outer, 64, digest, 32, digest);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&body);
+    return PyBytes_FromStringAndSize((const char *)digest, 32);
 }
 
 /* blend(weights, index, draw): Megatron-LM's blending of datasets by weight
@@ -1085,6 +1117,124 @@ done:
     return result;
 }
 
+/* ids(payload, itemsize, eos) -> (lo, hi, out): the smallest and largest of a Kafka record's
+ * little-endian unsigned ids (itemsize 2 or 4; (0, 0) when there are none) and, when eos >= 0,
+ * the ids with eos after them as a new bytearray in the host's order (np.frombuffer makes it
+ * the record's tokens), else None. In one pass, and without releasing the GIL: a record is a
+ * microsecond of work, and each release hands the GIL to another thread that wants it. With
+ * W follow streams in a feeder, numpy's min, max and copy (which do release it, for more than
+ * 500 ids) made that a context switch or two per record, and the feeder's CPU per token grew
+ * with the ranks (issue 26). */
+static PyObject *ids(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    int itemsize;
+    long long eos;
+    if (!PyArg_ParseTuple(args, "y*iL", &b, &itemsize, &eos)) return NULL;
+    if ((itemsize != 2 && itemsize != 4) || b.len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "ids: %zd bytes are not a whole number of %d-byte ids (2 or 4)", b.len,
+                     itemsize);
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    Py_ssize_t n = b.len / itemsize;
+    PyObject *out = Py_None;
+    Py_INCREF(out);
+    if (eos >= 0) {
+        Py_DECREF(out);
+        out = PyByteArray_FromStringAndSize(NULL, (n + 1) * itemsize);
+        if (!out) {
+            PyBuffer_Release(&b);
+            return NULL;
+        }
+    }
+    const unsigned char *p = (const unsigned char *)b.buf;
+    uint32_t lo = UINT32_MAX, hi = 0;
+    if (itemsize == 2) {
+        uint16_t *o = out == Py_None ? NULL : (uint16_t *)PyByteArray_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint16_t v = (uint16_t)(p[2 * i] | (p[2 * i + 1] << 8));
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+            if (o) o[i] = v;
+        }
+        if (o) o[n] = (uint16_t)eos;
+    } else {
+        uint32_t *o = out == Py_None ? NULL : (uint32_t *)PyByteArray_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const unsigned char *q = p + 4 * i;
+            uint32_t v = (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+            if (o) o[i] = v;
+        }
+        if (o) o[n] = (uint32_t)eos;
+    }
+    PyBuffer_Release(&b);
+    if (n == 0) lo = 0;
+    return Py_BuildValue("(kkN)", (unsigned long)lo, (unsigned long)hi, out);
+}
+
+/* rows(pieces, skip, L, mb, itemsize) -> bytearray of mb rows of L + 1 items, row j being items
+ * [skip + j*L, skip + j*L + L + 1) of the pieces (contiguous buffers) one after another: a
+ * follow stream's batch from the records it has taken. Holding the GIL, as ids does: two numpy
+ * calls per batch (join, then the overlapping rows) were two more GIL hand-offs. */
+static PyObject *rows_py(PyObject *self, PyObject *args) {
+    PyObject *pieces_o;
+    Py_ssize_t skip, L, mb, isz;
+    if (!PyArg_ParseTuple(args, "Onnnn", &pieces_o, &skip, &L, &mb, &isz)) return NULL;
+    if (skip < 0 || L < 1 || mb < 1 || isz < 1) {
+        PyErr_SetString(PyExc_ValueError, "rows: skip >= 0, L >= 1, mb >= 1 and itemsize >= 1 are needed");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(pieces_o, "rows: pieces must be a sequence of buffers");
+    if (!seq) return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *bufs = PyMem_Calloc(k ? k : 1, sizeof(Py_buffer));
+    if (!bufs) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL;
+    Py_ssize_t got = 0, total = 0;
+    for (; got < k; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        total += bufs[got].len / isz;
+    }
+    Py_ssize_t row = L + 1;
+    if (skip + (mb - 1) * L + row > total) {
+        PyErr_Format(PyExc_ValueError, "rows: %zd rows of %zd from item %zd need %zd items, the pieces hold %zd", mb,
+                     row, skip, skip + (mb - 1) * L + row, total);
+        goto done;
+    }
+    out = PyByteArray_FromStringAndSize(NULL, mb * row * isz);
+    if (!out) goto done;
+    char *dst = PyByteArray_AS_STRING(out);
+    Py_ssize_t pi = 0, pstart = 0;   /* the piece holding the current row's start, and its first item */
+    for (Py_ssize_t j = 0; j < mb; j++) {
+        Py_ssize_t a = skip + j * L, need = row;
+        while (pstart + bufs[pi].len / isz <= a) {
+            pstart += bufs[pi].len / isz;
+            pi++;
+        }
+        Py_ssize_t q = pi, qstart = pstart, from = a;
+        while (need > 0) {
+            Py_ssize_t n = bufs[q].len / isz - (from - qstart);
+            if (n > need) n = need;
+            memcpy(dst, (char *)bufs[q].buf + (from - qstart) * isz, n * isz);
+            dst += n * isz;
+            need -= n;
+            from += n;
+            qstart += bufs[q].len / isz;
+            q++;
+        }
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"frame", frame, METH_VARARGS,
      "frame(tokens, payloads, ids, counts, epochs, steps, cursors, sample_len, itemsize, dtype, compression, "
@@ -1101,6 +1251,9 @@ static PyMethodDef methods[] = {
     {"pieces", pieces, METH_VARARGS, "pieces(bufs, which, offs, lens, dest, out): variable-length rows into out"},
     {"best_fit", best_fit, METH_VARARGS,
      "best_fit(lengths u4[n], capacity, order i8[n] out, ptr i8[n + 1] out) -> bins: best-fit decreasing"},
+    {"ids", ids, METH_VARARGS, "ids(payload, itemsize, eos) -> (lo, hi, ids + [eos] as a bytearray, or None if eos < 0)"},
+    {"mac", mac_py, METH_VARARGS, "mac(key64, body) -> HMAC-SHA256 (the key already its 64-byte block)"},
+    {"rows", rows_py, METH_VARARGS, "rows(pieces, skip, L, mb, itemsize) -> mb overlapping rows of L + 1 items"},
     {"blend", blend, METH_VARARGS, "blend(weights f8[D], index i2[n] out, draw i8[n] out): Megatron's blending"},
     {NULL, NULL, 0, NULL}};
 

@@ -40,6 +40,7 @@ def test_cursor_writer_writes_what_encode_writes(secret, native, monkeypatch):
 
     if not native:
         monkeypatch.setattr(cursor, "_native_cursors", None)
+        monkeypatch.setattr(cursor, "_native_mac", None)
     else:
         assert cursor._native_cursors is not None, "the C extension is built by make env"
 
@@ -78,6 +79,25 @@ def test_native_cursor_macs_equal_hmac_for_heads_of_every_length():
         cursors(key, head, 1 << 32, 2, [3], 0)
     with pytest.raises(OverflowError):
         cursors(key, head, 1, 2, [-1], 0)
+
+
+def test_native_mac_of_a_whole_cursor_equals_hmac_for_bodies_and_keys_of_every_length():
+    """_native.c's mac (a cursor a plan writes whole: Kafka follow streams write one per batch)
+    against the standard library, bodies of 0-300 bytes, keys empty (the dev secret), short,
+    one block and longer than one (hashed first)."""
+    import hmac
+    import random
+
+    from feeder import cursor
+
+    assert cursor._native_mac is not None, "the C extension is built by make env"
+    rnd = random.Random(11)
+    for secret in (b"", b"k", rnd.randbytes(64), rnd.randbytes(65), rnd.randbytes(200)):
+        for n in range(301):
+            body = rnd.randbytes(n)
+            assert cursor._mac(secret, body) == hmac.digest(secret or cursor.DEV_SECRET, body, "sha256")[:16], n
+    with pytest.raises(ValueError, match="64-byte"):
+        cursor._native_mac(b"short", b"body")
 
 
 def _v2(c: Cursor, text: str, secret: bytes) -> bytes:

@@ -118,6 +118,42 @@ def test_bad_record_details_say_what_is_wrong():
         decode(b"hello world")
 
 
+@pytest.mark.parametrize("dtype,vocab_size", [(U16, 300), (U16, 65536), (U32, 65537), (U32, 1 << 32)])
+def test_binary_records_decode_the_same_with_or_without_the_c_extension(monkeypatch, dtype, vocab_size):
+    """_native.c's ids (range check and EOS in one pass, holding the GIL) against numpy's: the
+    same ids, the same EOS, the same out-of-vocab refusals, for every length around the
+    thresholds where numpy changes how it copies."""
+    import feeder.sources.kafka.codec as codec
+
+    if codec._ids is None:
+        pytest.fail("the C extension is not built (python setup.py build_ext --inplace)")
+    rng = np.random.default_rng(vocab_size)
+    top = min(vocab_size, 1 << 32) - 1
+    for n in (0, 1, 2, 499, 500, 501, 1200, 5000):
+        # an id at vocab_size, where the id width holds one
+        for hi in (top, top + 1) if top + 1 <= np.iinfo(dtype).max else (top,):
+            ids = rng.integers(0, top + 1, n).astype(np.int64)
+            if n:
+                ids[rng.integers(n)] = hi
+            value = HEADER.pack(MAGIC, dtype.itemsize, 1, min(vocab_size, (1 << 32) - 1), 0) + b"t" + \
+                ids.astype(dtype.newbyteorder("<")).tobytes()
+            got = {}
+            for native in (True, False):
+                monkeypatch.setattr(codec, "_ids", codec._ids if native else None)
+                for eos in (None, 7):
+                    try:
+                        out = decode_record(value, dtype=dtype, vocab_size=vocab_size, max_bytes=1 << 30, eos_id=eos)
+                        got[native, eos] = (out.dtype, out.tolist())
+                    except BadRecord as e:
+                        got[native, eos] = str(e)
+                monkeypatch.undo()
+            assert got[True, None] == got[False, None] and got[True, 7] == got[False, 7], (n, hi)
+            if n and hi > top:
+                assert got[True, 7] == f"out_of_vocab: token ids must be in [0, {vocab_size}), found {hi}"
+            else:
+                assert got[True, None] == (dtype, ids.tolist()) and got[True, 7] == (dtype, ids.tolist() + [7])
+
+
 # --------------------------------------------------------------------------- URL options
 
 def test_url_defaults():
@@ -305,6 +341,71 @@ def test_follow_plan_packs_this_ranks_records_and_resumes_exactly_from_every_cur
             assert [r.cursor for r in rest] == [r.cursor for r in batches[n + 1:]]
         plan.close()
         assert reader.closed
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("seq_len,mb", [(1, 1), (5, 1), (7, 3), (64, 2)])
+def test_follow_plan_rows_are_the_ranks_stream_cut_with_or_without_the_c_extension(monkeypatch, native, seq_len,
+                                                                                    mb):
+    """Samples are cut from the rank's records joined (take_rows: _native.c's rows, or numpy's
+    without the extension): whatever the record lengths (empty ones, ones longer than a batch),
+    sequence length and micro-batch, and from every cursor."""
+    import feeder.sources.kafka.follow as follow
+
+    if not native:
+        monkeypatch.setattr(follow, "_rows", None)
+    elif follow._rows is None:
+        pytest.fail("the C extension is not built (python setup.py build_ext --inplace)")
+    rng = np.random.default_rng(seq_len * 10 + mb)
+    parts = [[rng.integers(0, 90, rng.choice([0, 1, 3, 40, 300])).tolist() for _ in range(25)] for _ in range(3)]
+    order = [parts[k % 3][k // 3] for k in range(75)]
+    for rank, world in ((0, 1), (1, 3)):
+        stream = np.concatenate([np.array([*d, 99]) for d in order[rank::world]])
+        plan, _ = follow_plan(parts, rank, world, seq_len=seq_len, mb=mb)
+        batches = taken(plan)
+        assert len(batches) == (len(stream) - 1) // seq_len // mb
+        for b in batches:
+            assert b.tokens.shape == (mb, seq_len + 1) and b.tokens.dtype == np.uint16
+            for row, sample_id in zip(b.tokens, b.ids.tolist()):
+                i = sample_id // world
+                assert row.tolist() == stream[i * seq_len:i * seq_len + seq_len + 1].tolist()
+        for n in range(0, len(batches), 7):
+            again, _ = follow_plan(parts, rank, world, cursor=batches[n].cursor, seq_len=seq_len, mb=mb)
+            assert [r.tokens.tolist() for r in taken(again)] == [r.tokens.tolist() for r in batches[n + 1:]]
+
+
+def test_take_rows_refuses_pieces_too_short_for_the_rows():
+    from feeder.sources.kafka.follow import _rows
+
+    if _rows is None:
+        pytest.fail("the C extension is not built (python setup.py build_ext --inplace)")
+    pieces = [np.arange(5, dtype=np.uint16), np.arange(3, dtype=np.uint16)]
+    assert np.frombuffer(_rows(pieces, 1, 3, 2, 2), dtype=np.uint16).tolist() == [1, 2, 3, 4, 4, 0, 1, 2]
+    with pytest.raises(ValueError, match="2 rows of 4 from item 2 need 9 items, the pieces hold 8"):
+        _rows(pieces, 2, 3, 2, 2)
+
+
+def test_follow_streams_opening_together_share_one_metadata_answer_and_each_gets_its_own_start(monkeypatch):
+    """A job's W ranks opening at once ask the broker once for where the topic starts (not W
+    times in a row under the source's lock); an answer older than META_TTL_S is asked again;
+    each stream gets its own list (its state moves in place)."""
+    import threading
+
+    import feeder.sources.kafka.source as source
+
+    asked = []
+    monkeypatch.setattr(source, "watermarks", lambda c, topic, p, bootstrap: (asked.append(p) or (10 * p, 99)))
+    now = [100.0]
+    monkeypatch.setattr(source.time, "monotonic", lambda: now[0])
+    src = object.__new__(source.KafkaSource)
+    src.url, src._consumer = KafkaURL(bootstrap="h:1", topic="t", mode="follow"), None
+    src._meta_lock, src._recent = threading.Lock(), {}
+    starts = [src._low_watermarks([0, 1, 2]) for _ in range(8)]
+    assert asked == [0, 1, 2] and all(s == [0, 10, 20] for s in starts)
+    starts[0][1] = 555   # a stream's state moves in place: the next stream's start is not moved
+    assert src._low_watermarks([0, 1, 2]) == [0, 10, 20]
+    now[0] += source.META_TTL_S
+    assert src._low_watermarks([0, 1, 2]) == [0, 10, 20] and asked == [0, 1, 2] * 2
 
 
 def test_follow_plan_refuses_a_cursor_of_another_stream():

@@ -15,6 +15,11 @@ import numpy as np
 
 from feeder import manifest as mf
 
+try:
+    from feeder._native import ids as _ids   # a record's range check (and EOS) in one pass, holding the GIL
+except ImportError:   # built without the C extension: numpy's, the same results
+    _ids = None
+
 MAGIC = b"FTK1"
 HEADER = struct.Struct("<4sBBII")   # magic, dtype itemsize, tokenizer-name length, vocab_size, eos_id
 BAD_KINDS = ("undecodable", "wrong_dtype", "out_of_vocab", "empty", "too_large")
@@ -47,8 +52,10 @@ class BadRecord(Exception):
         self.kind, self.detail = kind, detail
 
 
-def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int) -> np.ndarray:
-    """Token ids of one record, or BadRecord saying what is wrong with it.
+def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int,
+                  eos_id: int | None = None) -> np.ndarray:
+    """Token ids of one record (with `eos_id` after them, if given), or BadRecord saying what is
+    wrong with it.
 
     Total on any bytes: a record is written by whoever can produce to the topic, so whatever
     a parser raises on hostile input (json's RecursionError on deep nesting, ValueError on a
@@ -56,34 +63,49 @@ def decode_record(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_
     ("undecodable"), never an exception that ends the stream as INTERNAL/UNKNOWN (which
     clients retry for minutes). The kinds we can name are named first."""
     try:
-        return _decode(value, dtype=dtype, vocab_size=vocab_size, max_bytes=max_bytes)
+        return _decode(value, dtype=dtype, vocab_size=vocab_size, max_bytes=max_bytes, eos_id=eos_id)
     except BadRecord:
         raise
     except (ValueError, ArithmeticError, TypeError, LookupError, RecursionError, struct.error) as e:
         raise BadRecord("undecodable", f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _decode(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int) -> np.ndarray:
+def _decode(value: bytes | None, *, dtype: np.dtype, vocab_size: int, max_bytes: int,
+            eos_id: int | None) -> np.ndarray:
     if not value:  # a tombstone or a producer bug; an empty *document* still has a header or {"tokens": []}
         raise BadRecord("empty", "the record has no value (null or 0 bytes)")
     if len(value) > max_bytes:
         raise BadRecord("too_large", f"{len(value)} bytes, the limit is max_record_bytes={max_bytes}")
     if value[:4] == MAGIC:
-        ids = _decode_binary(value, dtype=dtype, vocab_size=vocab_size)
+        payload = _binary_payload(value, dtype=dtype, vocab_size=vocab_size)
+        if _ids is not None:
+            # One pass, holding the GIL (why: _native.c's ids)
+            lo, hi, with_eos = _ids(payload, dtype.itemsize, -1 if eos_id is None else eos_id)
+            if len(payload) and hi >= vocab_size:
+                raise BadRecord("out_of_vocab", f"token ids must be in [0, {vocab_size}), found {hi}")
+            if with_eos is not None:
+                return np.frombuffer(with_eos, dtype=dtype)
+            return np.frombuffer(payload, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
+        ids = np.frombuffer(payload, dtype=dtype.newbyteorder("<"))
     elif value[:1] in (b"{", b" "):
         ids = _decode_json(value, vocab_size=vocab_size)
     else:
         raise BadRecord("undecodable", f"neither a feeder record ({MAGIC!r} header) nor JSON "
                                        f"(starts with {bytes(value[:8])!r})")
-    if ids.size == 0:
-        return ids.astype(dtype)  # an empty document (header or {"tokens": []}): EOS only, as `prep` does
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise BadRecord("out_of_vocab", f"token ids must be in [0, {vocab_size}), found {lo if lo < 0 else hi}")
-    return ids
+    if ids.size:   # an empty document (header or {"tokens": []}) is EOS only, as `prep` does
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise BadRecord("out_of_vocab", f"token ids must be in [0, {vocab_size}), found {lo if lo < 0 else hi}")
+    if eos_id is None:
+        return ids if ids.size else ids.astype(dtype)
+    tokens = np.empty(len(ids) + 1, dtype=dtype)
+    tokens[:-1] = ids
+    tokens[-1] = eos_id
+    return tokens
 
 
-def _decode_binary(value: bytes, *, dtype: np.dtype, vocab_size: int) -> np.ndarray:
+def _binary_payload(value: bytes, *, dtype: np.dtype, vocab_size: int) -> memoryview:
+    """The ids' bytes of a feeder record, once its header says they are `dtype`'s."""
     if len(value) < HEADER.size:
         raise BadRecord("undecodable", f"{len(value)} bytes is shorter than the {HEADER.size}-byte header")
     _, itemsize, name_len, _vocab, _eos = HEADER.unpack_from(value)
@@ -99,7 +121,7 @@ def _decode_binary(value: bytes, *, dtype: np.dtype, vocab_size: int) -> np.ndar
     if len(payload) % itemsize:
         raise BadRecord("undecodable", f"payload of {len(payload)} bytes is not a whole number of "
                                        f"{itemsize}-byte ids")
-    return np.frombuffer(payload, dtype=dtype.newbyteorder("<"))
+    return payload
 
 
 def _decode_json(value: bytes, *, vocab_size: int) -> np.ndarray:

@@ -22,11 +22,39 @@ from feeder.planning import PENDING, Pending, PlannedBatch, PlannedRun, Start
 from feeder.sampling_key import DEAL, cursor_mismatch
 from feeder.sources.kafka.reader import FollowReader, FollowState
 
+try:
+    from feeder._native import rows as _rows
+except ImportError:   # built without the C extension: numpy's, the same rows
+    _rows = None
+
 
 @dataclass
 class _Mark:
     at: int              # position, in this rank's token stream, of the record's first token
     state: FollowState   # interleave state just before the record
+
+
+def take_rows(pieces: list[np.ndarray], skip: int, L: int, mb: int, dtype: np.dtype
+              ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """mb rows of L + 1 tokens, row j from token skip + j*L of the pieces joined, and the pieces
+    from token skip + mb*L on (views). One call, holding the GIL (_native.c's rows): a numpy call
+    per record, or two per batch, each releasing the GIL to copy a few microseconds' worth,
+    handed it to another stream's thread every time when a feeder's W follow streams are busy,
+    and the feeder's CPU per token grew with W (issue 26)."""
+    if _rows is not None:
+        rows = np.frombuffer(_rows(pieces, skip, L, mb, dtype.itemsize), dtype=dtype).reshape(mb, L + 1)
+    else:   # built without the C extension
+        flat = np.concatenate(pieces)[skip:]
+        rows = np.lib.stride_tricks.as_strided(flat, shape=(mb, L + 1), strides=(L * flat.itemsize, flat.itemsize),
+                                               writeable=False).copy()
+    cut, rest = skip + mb * L, []
+    for p in pieces:
+        if cut >= len(p):
+            cut -= len(p)
+            continue
+        rest.append(p[cut:] if cut else p)
+        cut = 0
+    return rows, rest
 
 
 # How long a followed topic may have nothing new before the rank is told so (WAITING notes).
@@ -179,11 +207,13 @@ class FollowPlan:
         s = self.spec
         L, W, r, mb = s.seq_len, s.world_size, s.rank, s.micro_batch
         i, step = self.i, self._step
-        buf = np.empty(0, dtype=self.dtype)
-        buf_at = i * L - self._skip        # stream position of buf[0]
+        # The records since sample i's start, as they came, copied once per batch (take_rows).
+        pieces: list[np.ndarray] = []
+        have = 0                            # tokens in pieces
+        buf_at = i * L - self._skip         # stream position of pieces[0][0]
+        span = mb * L + 1                   # a batch: mb samples of L + 1 tokens, each the next's first
         marks: deque[_Mark] = deque()
         first = True
-        rows: list[np.ndarray] = []
         for item in self.reader.records(self.state):
             if item is None:
                 yield None
@@ -194,24 +224,20 @@ class FollowPlan:
                 first = False
             if tokens is None:
                 continue
-            end = buf_at + len(buf)
-            marks.append(_Mark(end, before))
-            buf = np.concatenate([buf, tokens]) if len(buf) else tokens
-            while buf_at + len(buf) >= (i * L) + L + 1:        # sample i is complete
-                off = i * L - buf_at
-                rows.append(buf[off:off + L + 1])
-                i += 1
-                drop = i * L - buf_at
-                if drop > 0:
-                    buf, buf_at = buf[drop:], buf_at + drop
-                if len(rows) == mb:
-                    nxt = i * L
-                    while len(marks) > 1 and marks[1].at <= nxt:
-                        marks.popleft()
-                    mark = marks[0]
-                    ids = np.arange(i - mb, i, dtype=np.int64) * W + r
-                    cursor = self._cursor(mark.state, nxt - mark.at, i, step + 1)
-                    self._passed(step, mark.state)
-                    yield PlannedBatch(epoch=s.epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=0,
-                                       tokens=np.stack(rows))
-                    rows, step = [], step + 1
+            marks.append(_Mark(buf_at + have, before))
+            pieces.append(tokens)
+            have += len(tokens)
+            while buf_at + have >= i * L + span:        # samples i .. i + mb - 1 are complete
+                rows, pieces = take_rows(pieces, i * L - buf_at, L, mb, self.dtype)
+                i += mb
+                nxt = buf_at = i * L
+                have = sum(map(len, pieces))   # never 0: sample i's first token is the last one's last
+                while len(marks) > 1 and marks[1].at <= nxt:
+                    marks.popleft()
+                mark = marks[0]
+                ids = np.arange(i - mb, i, dtype=np.int64) * W + r
+                cursor = self._cursor(mark.state, nxt - mark.at, i, step + 1)
+                self._passed(step, mark.state)
+                yield PlannedBatch(epoch=s.epoch, step=step, ids=ids, cursor=cursor, samples_in_epoch=0,
+                                   tokens=rows)
+                step += 1

@@ -209,11 +209,7 @@ def is_record(m, topic: str) -> bool:
 def record_tokens(value: bytes | None, url: KafkaURL, *, dtype: np.dtype, vocab_size: int,
                   eos_id: int) -> np.ndarray:
     """A record's ids and an EOS (how follow mode packs documents); BadRecord if it is bad."""
-    ids = decode_record(value, dtype=dtype, vocab_size=vocab_size, max_bytes=url.max_record_bytes)
-    tokens = np.empty(len(ids) + 1, dtype=dtype)
-    tokens[:-1] = ids
-    tokens[-1] = eos_id
-    return tokens
+    return decode_record(value, dtype=dtype, vocab_size=vocab_size, max_bytes=url.max_record_bytes, eos_id=eos_id)
 
 
 def skip_or_fail(bad: BadRecord, topic: str, partition: int, offset: int, policy: str, *, job: str,

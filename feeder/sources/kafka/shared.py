@@ -39,6 +39,9 @@ log = logging.getLogger("feeder.kafka")
 
 TAKE = 64            # own records a stream takes from the window per visit
 JOIN_EVERY = 16      # a stream reading on its own looks for its state in the window every this many records
+# How often the streams' lag (the partitions' high watermarks) is refreshed: the client call lets
+# the GIL go, and each append of every fetch asked it, once per partition.
+HIGH_EVERY_S = 0.25
 
 
 def _key(st: FollowState) -> tuple:
@@ -84,6 +87,7 @@ class FollowWindow(BrokerWatch):
         self._retired = False                    # replaced (the topic's partitions changed): closes when unused
         self._down_since: float | None = None
         self.high: dict[int, int] = {}           # partition -> high watermark, for the streams' lag
+        self._high_at = 0.0                      # when `high` was last asked of the client
         # Figures (status, tests, bench): records fetched from the brokers, entries dropped while a
         # stream still needed them, streams that read on their own and joined back.
         self.fetched = self.dropped = self.solo = self.rejoined = 0
@@ -295,6 +299,10 @@ class FollowWindow(BrokerWatch):
     def _update_high(self, c) -> None:
         from confluent_kafka import TopicPartition
 
+        now = time.monotonic()
+        if now - self._high_at < HIGH_EVERY_S:
+            return
+        self._high_at = now
         for p in self.parts:
             try:
                 _, hi = c.get_watermark_offsets(TopicPartition(self.url.topic, p), cached=True)

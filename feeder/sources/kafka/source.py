@@ -6,6 +6,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,12 @@ from feeder.sources.kafka.snapshot import Snapshots
 
 log = logging.getLogger("feeder.kafka")
 
+# Follow streams that open together (a job's W ranks at its start, or after a failover) ask the
+# broker the same things: the topic's id and partitions, and where it starts. An answer asked
+# less than this long ago is shared: one round trip for the lot instead of W, one after another
+# under the metadata lock.
+META_TTL_S = 0.5
+
 
 class KafkaSource:
     """Presents a topic (a `Source`); `plan` decides per stream what the job reads (see the package doc)."""
@@ -38,6 +45,7 @@ class KafkaSource:
         self.name = url.topic
         self._consumer = Consumer(consumer_config(url.bootstrap))   # metadata and watermarks only
         self._meta_lock = threading.Lock()
+        self._recent: dict[object, tuple[float, object]] = {}   # what _recently asked: key -> (when, answer)
         self.vocab_size, self.eos_id = url.vocab_size, url.eos_id
         if self.vocab_size <= 0:
             self.vocab_size, self.eos_id = self._vocab_from_first_record()
@@ -179,9 +187,8 @@ class KafkaSource:
     def subscribe(self, spec: StreamSpec, policy: str, want=None) -> Subscription:
         """A follow stream's reader: through this process's shared window of the topic (shared.py)."""
         c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
-        tid = topic_id(bootstrap, topic)
+        tid, parts = self._recently("topic", lambda: (topic_id(bootstrap, topic), partitions(c, topic, bootstrap)))
         with self._meta_lock:
-            parts = partitions(c, topic, bootstrap)
             w = self._window
             # first stream, or the topic's partitions changed, or it is another topic of that name
             if w is None or w.parts != parts or getattr(w, "topic_id", "") != tid:
@@ -196,8 +203,17 @@ class KafkaSource:
     def _low_watermarks(self, parts: list[int]) -> list[int]:
         """Each partition's low watermark: where a follow stream without a cursor starts."""
         c, topic, bootstrap = self._consumer, self.url.topic, self.url.bootstrap
+        lows = self._recently(("low", *parts), lambda: [watermarks(c, topic, p, bootstrap)[0] for p in parts])
+        return list(lows)   # a stream's state moves in place
+
+    def _recently(self, key, ask):
+        """ask()'s answer, asked under the metadata lock less than META_TTL_S ago."""
         with self._meta_lock:
-            return [watermarks(c, topic, p, bootstrap)[0] for p in parts]
+            now = time.monotonic()
+            got = self._recent.get(key)
+            if got is None or now - got[0] >= META_TTL_S:
+                got = self._recent[key] = (now, ask())
+            return got[1]
 
     def follow_figures(self) -> dict:
         """The shared follow window's figures (empty before the first follow stream)."""

@@ -70,7 +70,12 @@ def follow_cpu_per_token(cfg: BenchConfig, data: dict, topic: str, lengths: np.n
     (`lengths`) cut from the bench's token stream. Each rank takes 90% of the batches (of one sample of
     seq_len + 1: small enough for 64 ranks to get many each) its records make, so no rank
     reaches the topic's end and waits there; uncompressed (the source's cost, not zstd's).
-    Target: within 1.5x of one rank's at 8 and at 64 ranks."""
+    Target: within 1.5x of one rank's at 8 and at 64 ranks.
+
+    Beside it, the same ranks taking the same batches from the bench's file corpus (`file_*`):
+    what serving W streams costs the feeder whatever the source (their setup, the slow start's
+    small first messages, W threads under one GIL), so that the Kafka reader's own share of the
+    ratio can be read off."""
     from .clients import Feeder
     from .config import say
 
@@ -90,9 +95,17 @@ def follow_cpu_per_token(cfg: BenchConfig, data: dict, topic: str, lengths: np.n
                                "feeder_cpu_s_per_mtok": cpu / (served / 1e6)}
         finally:
             f.stop()
-    one = out["1"]["feeder_cpu_s_per_mtok"]
-    for fig in out.values():
-        fig["vs_one_rank"] = fig["feeder_cpu_s_per_mtok"] / one
+        f = Feeder(data["shards"], message_bytes=cfg.message_bytes)
+        try:
+            cpu0 = f.cpu_s()
+            served = _follow_job(cfg, f.address, f"file-{world}-{time.time_ns()}", batches)
+            out[str(world)]["file_feeder_cpu_s_per_mtok"] = (f.cpu_s() - cpu0) / (served / 1e6)
+        finally:
+            f.stop()
+    for key in ("", "file_"):
+        one = out["1"][f"{key}feeder_cpu_s_per_mtok"]
+        for fig in out.values():
+            fig[f"{key}vs_one_rank"] = fig[f"{key}feeder_cpu_s_per_mtok"] / one
     return {"topic": topic, "records": len(lengths), "ranks": out}
 
 

@@ -114,7 +114,8 @@ def _kafka_rows(r: dict) -> list[tuple[str, str]]:
     for world, f in r.get("kafka_follow", {}).get("ranks", {}).items():
         rows.append((f"  follow, {world} ranks", f"{f['tokens_s'] / 1e6:,.2f} M tok/s, feeder "
                                                  f"{f['feeder_cpu_s_per_mtok']:.3f} CPU-s per M tokens = "
-                                                 f"{f['vs_one_rank']:.2f} x one rank's"))
+                                                 f"{f['vs_one_rank']:.2f} x one rank's (a file corpus, the same "
+                                                 f"ranks and batches: {f['file_vs_one_rank']:.2f} x)"))
     return rows
 
 

@@ -72,7 +72,8 @@ def test_bench_quick_writes_every_figure_and_a_plot(tmp_path, kafka_broker):
     # issue 26: follow mode's feeder CPU per served token at 1, 8 and 64 ranks; the snapshot build
     follow = res["kafka_follow"]["ranks"]
     assert set(follow) == {"1", "8", "64"} and all(f["tokens"] > 0 and f["feeder_cpu_s_per_mtok"] > 0
-                                                     for f in follow.values())
+                                                     and f["file_feeder_cpu_s_per_mtok"] > 0 for f in follow.values())
+    assert follow["1"]["file_vs_one_rank"] == 1
     assert {"kafka_follow_cpu_8_vs_1_rank", "kafka_follow_cpu_64_vs_1_rank",
             "kafka_snapshot_vs_bare_consume"} <= set(res["ratios"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -305,7 +305,7 @@ class Cursor:
 
 def _mac(secret: bytes, body: bytes) -> bytes:
     if _native_mac is not None:   # the same bytes, holding the GIL (why: _native.c's mac)
-        return _native_mac(_block_key(secret or DEV_SECRET), body)[:MAC_LEN]
+        return _native_mac(_block_key(bytes(secret or DEV_SECRET)), body)[:MAC_LEN]
     return hmac.digest(secret or DEV_SECRET, body, "sha256")[:MAC_LEN]
 
 
@@ -329,7 +329,7 @@ class CursorWriter:
     def __init__(self, template: Cursor, secret: bytes):
         self.template = template
         self.secret = secret
-        key = self._key = _block_key(secret or DEV_SECRET)
+        key = self._key = _block_key(bytes(secret or DEV_SECRET))
         self._ipad = bytes(b ^ 0x36 for b in key)
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
         self._heads: dict[int, tuple[bytes, "hashlib._Hash"]] = {}   # world size -> head, inner hash

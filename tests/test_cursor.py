@@ -96,6 +96,8 @@ def test_native_mac_of_a_whole_cursor_equals_hmac_for_bodies_and_keys_of_every_l
         for n in range(301):
             body = rnd.randbytes(n)
             assert cursor._mac(secret, body) == hmac.digest(secret or cursor.DEV_SECRET, body, "sha256")[:16], n
+    for secret in (bytearray(b"abc"), memoryview(b"abc")):   # any bytes-like secret, as hmac takes
+        assert cursor._mac(secret, b"x") == hmac.digest(bytes(secret), b"x", "sha256")[:16]
     with pytest.raises(ValueError, match="64-byte"):
         cursor._native_mac(b"short", b"body")
 

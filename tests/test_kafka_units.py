@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -385,27 +386,49 @@ def test_take_rows_refuses_pieces_too_short_for_the_rows():
         _rows(pieces, 2, 3, 2, 2)
 
 
-def test_follow_streams_opening_together_share_one_metadata_answer_and_each_gets_its_own_start(monkeypatch):
-    """A job's W ranks opening at once ask the broker once for where the topic starts (not W
-    times in a row under the source's lock); an answer older than META_TTL_S is asked again;
-    each stream gets its own list (its state moves in place)."""
+def test_follow_streams_opening_together_share_a_metadata_answer_asked_after_they_came(monkeypatch):
+    """Streams that wait on the source's lock while one asks where the topic starts share the
+    next answer, one asked after they came (single flight: W round trips in a row become a
+    few); nothing is kept for a time (a later stream asks again, so a topic given partitions or
+    created again is seen at once); each stream gets its own list (its state moves in place)."""
     import threading
 
     import feeder.sources.kafka.source as source
 
-    asked = []
-    monkeypatch.setattr(source, "watermarks", lambda c, topic, p, bootstrap: (asked.append(p) or (10 * p, 99)))
-    now = [100.0]
-    monkeypatch.setattr(source.time, "monotonic", lambda: now[0])
+    first_in, release, asked = threading.Event(), threading.Event(), []
+
+    def watermarks(c, topic, p, bootstrap):
+        asked.append(p)
+        if len(asked) == 1:   # the first stream's question is slow: the others come meanwhile
+            first_in.set()
+            assert release.wait(10)
+        return (10 * p + (len(asked) - 1) // 3, 99)   # + how many answers were asked before this one
+
+    monkeypatch.setattr(source, "watermarks", watermarks)
     src = object.__new__(source.KafkaSource)
     src.url, src._consumer = KafkaURL(bootstrap="h:1", topic="t", mode="follow"), None
     src._meta_lock, src._recent = threading.Lock(), {}
-    starts = [src._low_watermarks([0, 1, 2]) for _ in range(8)]
-    assert asked == [0, 1, 2] and all(s == [0, 10, 20] for s in starts)
-    starts[0][1] = 555   # a stream's state moves in place: the next stream's start is not moved
-    assert src._low_watermarks([0, 1, 2]) == [0, 10, 20]
-    now[0] += source.META_TTL_S
-    assert src._low_watermarks([0, 1, 2]) == [0, 10, 20] and asked == [0, 1, 2] * 2
+    got: dict[int, list[int]] = {}
+
+    def open_stream(i):
+        got[i] = src._low_watermarks([0, 1, 2])
+
+    first = threading.Thread(target=open_stream, args=(0,))
+    first.start()
+    assert first_in.wait(10)
+    others = [threading.Thread(target=open_stream, args=(i,)) for i in range(1, 8)]
+    for t in others:
+        t.start()
+    time.sleep(0.2)   # (they wait on the lock)
+    release.set()
+    for t in (first, *others):
+        t.join(10)
+    assert got[0] == [0, 10, 20]          # the first stream's own answer
+    assert asked == [0, 1, 2] * 2         # the seven that came while it asked: one more answer
+    assert all(got[i] == [1, 11, 21] for i in range(1, 8)) and len({id(v) for v in got.values()}) == 8
+    got[1][1] = 555                       # a stream's state moves in place: no other start moves
+    assert got[2] == [1, 11, 21]
+    assert src._low_watermarks([0, 1, 2]) == [2, 12, 22] and asked == [0, 1, 2] * 3   # later: asked again
 
 
 def test_follow_plan_refuses_a_cursor_of_another_stream():

@@ -28,11 +28,6 @@ from feeder.sources.kafka.snapshot import Snapshots
 
 log = logging.getLogger("feeder.kafka")
 
-# Follow streams that open together (a job's W ranks at its start, or after a failover) ask the
-# broker the same things: the topic's id and partitions, and where it starts. An answer asked
-# less than this long ago is shared: one round trip for the lot instead of W, one after another
-# under the metadata lock.
-META_TTL_S = 0.5
 
 
 class KafkaSource:
@@ -45,7 +40,7 @@ class KafkaSource:
         self.name = url.topic
         self._consumer = Consumer(consumer_config(url.bootstrap))   # metadata and watermarks only
         self._meta_lock = threading.Lock()
-        self._recent: dict[object, tuple[float, object]] = {}   # what _recently asked: key -> (when, answer)
+        self._recent: dict[object, tuple[float, object]] = {}   # _recently's: key -> (when asked, answer)
         self.vocab_size, self.eos_id = url.vocab_size, url.eos_id
         if self.vocab_size <= 0:
             self.vocab_size, self.eos_id = self._vocab_from_first_record()
@@ -207,12 +202,20 @@ class KafkaSource:
         return list(lows)   # a stream's state moves in place
 
     def _recently(self, key, ask):
-        """ask()'s answer, asked under the metadata lock less than META_TTL_S ago."""
+        """ask()'s answer, asked under the metadata lock after this call came (single flight).
+
+        Follow streams that open together (a job's W ranks at its start, or after a failover)
+        ask the broker the same things: the topic's id and partitions, and where it starts. One
+        that waited on the lock while another asked takes the answer of a question asked after
+        it came, if there is one: as fresh as its own would be (no answer is kept for a time, so
+        a topic given partitions or created again is seen by the next stream that opens), and
+        W round trips one after another become a few."""
+        came = time.monotonic()
         with self._meta_lock:
-            now = time.monotonic()
             got = self._recent.get(key)
-            if got is None or now - got[0] >= META_TTL_S:
-                got = self._recent[key] = (now, ask())
+            if got is None or got[0] < came:
+                asked = time.monotonic()
+                got = self._recent[key] = (asked, ask())
             return got[1]
 
     def follow_figures(self) -> dict:

@@ -85,4 +85,4 @@ test-fast: env
 	$(PY) -m pytest -q -ra -m "not slow and not kafka" $(PYTEST_JOBS)
 
 clean:
-	rm -rf $(VENV) build site *.egg-info feeder/v1/*_pb2*.py* feeder/formats/*_pb2*.py* feeder/v1/.generated
+	rm -rf $(VENV) build site *.egg-info feeder/v1/*_pb2*.py* feeder/tfrecord/*_pb2*.py* feeder/v1/.generated

@@ -65,7 +65,7 @@ step "pip install '$REPO[client]' while the feeder serves; a rank's FeederClient
 "$VENV/bin/python" -c "
 import feeder_client, torch
 from feeder_client import ClientConfig, FeederClient, FeederDataset
-from feeder.config import StreamSpec
+from feeder.core.config import StreamSpec
 assert feeder_client.__file__.startswith('$VENV'), feeder_client.__file__
 spec = StreamSpec(job='fresh', rank=0, world_size=1, seq_len=32, micro_batch=4, num_epochs=1)
 n = sum(b.tokens.numel() for b in FeederClient(ClientConfig(targets=('$ADDR',), spec=spec)))

@@ -7,7 +7,7 @@ import socket
 import time
 from typing import TYPE_CHECKING
 
-from feeder.malloc import keep_freed_memory
+from feeder.core.malloc import keep_freed_memory
 
 if TYPE_CHECKING:
     from .clients import Clients

@@ -46,7 +46,7 @@ def register(sub) -> None:
 
 def cmd_bench(args) -> int:
     """Run the bench from parsed arguments, print its table; 0."""
-    from feeder.errors import FeederError
+    from feeder.core.errors import FeederError
 
     try:
         import feeder_client  # noqa: F401  (the ranks' side: torch)
@@ -77,7 +77,7 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench`: the same command without the `feeder` front end (user mistakes end
     in one line and exit 2, as `feeder`'s do)."""
-    from feeder.errors import FeederError
+    from feeder.core.errors import FeederError
 
     p = argparse.ArgumentParser(prog="python -m bench", description=HELP)
     add_arguments(p)

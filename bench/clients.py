@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from feeder.malloc import keep_freed_memory
-from feeder.net import free_port
+from feeder.core.malloc import keep_freed_memory
+from feeder.core.net import free_port
 
 from .config import CLIENT_PROCS
 
@@ -49,7 +49,7 @@ class Feeder:
 
     def status(self):
         """The feeder's `feeder status` answer (jobs, ranks, RSS)."""
-        from feeder.status import fetch
+        from feeder.ops.status import fetch
 
         return fetch(self.address)
 
@@ -68,7 +68,7 @@ def _drive(args) -> dict:
     (addresses, job, ranks, world, seq_len, mb, compression, seconds, step_s, warm_s, read_ahead, *layout) = args
     boundaries, packing = layout or (False, "concat")
     from feeder_client import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     out = {"tokens": 0, "batches": 0, "wait_s": 0.0, "busy_s": 0.0, "errors": [], "cpu_s": 0.0, "first": []}
     lock = threading.Lock()
@@ -313,7 +313,7 @@ def _client_cpu(args) -> dict:
     """One rank in its own process: CPU seconds per million tokens taken from the feeder."""
     address, seq_len, mb, compression, seconds = args
     from feeder_client import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     spec = StreamSpec(job=f"cpu-{compression}", rank=0, world_size=8, seq_len=seq_len, micro_batch=mb,
                       num_epochs=0, compression=compression, seed=1)

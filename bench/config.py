@@ -27,7 +27,7 @@ class BenchConfig:
     only: str = ""                     # "formats" | "mixture" | "scale" | "kafka" | "packing": only those figures (issues 19, 18, 25, 26, 27)
 
     def __post_init__(self):
-        from feeder.config import _positive
+        from feeder.core.config import _positive
 
         for name in ("ranks", "seq_len", "micro_batch", "message_bytes", "rounds"):
             _positive(name, getattr(self, name))

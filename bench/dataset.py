@@ -13,10 +13,10 @@ from .config import BenchConfig, say
 def dataset(cfg: BenchConfig) -> dict:
     """A BPE tokenizer (vocab < 65536) trained offline on a real corpus, and the corpus
     prepared with it; reused by later runs."""
-    from feeder import manifest as mf
-    from feeder.config import PrepConfig
-    from feeder.corpus import build_corpus
-    from feeder.prep import prep
+    from feeder.sources import manifest as mf
+    from feeder.core.config import PrepConfig
+    from feeder.ops.corpus import build_corpus
+    from feeder.ops.prep import prep
 
     root = Path(cfg.data)
     root.mkdir(parents=True, exist_ok=True)

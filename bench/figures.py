@@ -13,7 +13,7 @@ from .clients import Clients, Feeder
 def ttfb(address: str, seq_len: int, mb: int, tries: int = 5) -> tuple[float, float]:
     """(new stream -> first batch, resume mid-epoch from a cursor -> first batch), medians."""
     from feeder_client import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     def first(job, cursor=None):
         spec = StreamSpec(job=job, rank=0, world_size=8, seq_len=seq_len, micro_batch=mb, seed=3, num_epochs=0)
@@ -46,13 +46,13 @@ def ttfb(address: str, seq_len: int, mb: int, tries: int = 5) -> tuple[float, fl
 def wire_bytes_per_token(address: str, seq_len: int, mb: int) -> float:
     """Bytes on the wire per token with the default compression, from the feeder's counters."""
     from feeder_client import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     spec = StreamSpec(job="wire", rank=0, world_size=1, seq_len=seq_len, micro_batch=mb, seed=3, shuffle=True)
     cli = FeederClient(ClientConfig(targets=(address,), spec=spec))
     tokens = sum(b.tokens.numel() for b in cli)
     cli.close()
-    from feeder.status import fetch
+    from feeder.ops.status import fetch
 
     r = fetch(address, "wire").jobs[0].ranks[0]
     return r.bytes_sent / tokens

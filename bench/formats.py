@@ -99,7 +99,7 @@ def _mds_writer():
 
 def format_figures(cfg: BenchConfig, data: dict, clients: Clients) -> dict:
     """{"formats": {name: {"tokens_s", "ratio_to_shards"}}, "formats_shards_tokens_s", "formats_skipped"}."""
-    from feeder import manifest as mf
+    from feeder.sources import manifest as mf
 
     m = mf.read(data["shards"])
     packed = np.memmap(data["packed"], dtype=np.uint16, mode="r")

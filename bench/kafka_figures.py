@@ -14,7 +14,7 @@ PARTITIONS = 3
 
 def kafka_figures(cfg: BenchConfig, data: dict) -> dict:
     """Kafka source (follow mode's reader, packing and batching) vs a bare consume() loop."""
-    from feeder.publish import ensure_topic
+    from feeder.ops.publish import ensure_topic
 
     topic = f"bench-{int(time.time())}"
     ensure_topic(cfg.kafka, topic, PARTITIONS)
@@ -143,7 +143,7 @@ def _follow_job(cfg: BenchConfig, address: str, job: str, batches: list[int]) ->
     import threading
 
     from feeder_client import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     world = len(batches)
     served = [0] * world
@@ -241,10 +241,10 @@ def _bare_consume(cfg: BenchConfig, data: dict, topic: str, docs: int) -> float:
 def _source_tokens_s(cfg: BenchConfig, data: dict, topic: str, target: int) -> float:
     """Tokens/s of the feeder's Kafka source in follow mode, batched and framed as a feeder
     does, until `target` tokens (all but the last, partial batches)."""
-    from feeder.config import StreamSpec
-    from feeder.cursor import CursorWriter
+    from feeder.core.config import StreamSpec
+    from feeder.core.cursor import CursorWriter
     from feeder.pipeline.batcher import block_from_runs
-    from feeder.planning import PENDING
+    from feeder.core.planning import PENDING
     from feeder.service.wire import encode_reply
     from feeder.sources.kafka import FollowPlan, KafkaSource, KafkaURL
 

@@ -22,7 +22,7 @@ MODES = {"concat": dict(), "boundaries": dict(boundaries=True), "best_fit": dict
 
 
 def packing_figures(cfg: BenchConfig, data: dict, clients: Clients) -> dict:
-    from feeder import layout
+    from feeder.core import layout
     from feeder.sources.posix import PosixSource
 
     feeder = Feeder(data["shards"], message_bytes=cfg.message_bytes)

@@ -9,8 +9,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from feeder.malloc import keep_freed_memory
-from feeder.net import free_port
+from feeder.core.malloc import keep_freed_memory
+from feeder.core.net import free_port
 
 from .ceilings import raw_grpc_h2_mb_s, raw_grpc_mb_s, raw_grpc_shared_mb_s, raw_socket_mb_s
 from .clients import READERS, Clients, Feeder, _client_cpu, _local, machine_cpu_s

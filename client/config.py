@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from feeder.config import StreamSpec
-from feeder.errors import Code, FeederError
-from feeder.security import ClientSecurity
+from feeder.core.config import StreamSpec
+from feeder.core.errors import Code, FeederError
+from feeder.service.security import ClientSecurity
 
 PLAIN = ClientSecurity()
 _started_ns = 0

@@ -11,8 +11,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .config import process_started_ns
 from .stream import ClientConfig, FeederBatch, FeederClient
-from feeder.config import StreamSpec
-from feeder.security import ClientSecurity
+from feeder.core.config import StreamSpec
+from feeder.service.security import ClientSecurity
 
 
 class FeederDataset(IterableDataset):
@@ -218,7 +218,7 @@ def mixture_pairs(mixture) -> tuple[tuple[str, float], ...]:
         return tuple((name, float(weight) if isinstance(weight, numbers.Real) and not isinstance(weight, bool)
                       else weight) for name, weight in pairs)
     except (TypeError, ValueError):
-        from feeder.errors import InvalidArgument
+        from feeder.core.errors import InvalidArgument
 
         raise InvalidArgument(f"mixture must be {{source: weight}} or [(source, weight), ...], got {mixture!r:.80}") \
             from None

@@ -9,8 +9,8 @@ import google_crc32c
 import numpy as np
 import torch
 
-from feeder.errors import Code, FeederError
-from feeder.layout import Bounds, cu_seqlens, position_ids, segment_starts
+from feeder.core.errors import Code, FeederError
+from feeder.core.layout import Bounds, cu_seqlens, position_ids, segment_starts
 from feeder.v1 import feeder_pb2 as pb
 
 DTYPES = {pb.DTYPE_UINT16: np.dtype("<u2"), pb.DTYPE_UINT32: np.dtype("<u4")}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from feeder.errors import Code, FeederError
-from feeder.layout import label_crosses
+from feeder.core.errors import Code, FeederError
+from feeder.core.layout import label_crosses
 
 from .decode import FeederBatch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from feeder.errors import Code, FeederError, Unavailable
+from feeder.core.errors import Code, FeederError, Unavailable
 
 # Failures another feeder (or the same one, later) can cover, by gRPC status name; anything
 # else is the caller's mistake or corrupt data, and is raised.

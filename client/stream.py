@@ -28,10 +28,10 @@ from .handoff import END as _END
 from .handoff import Handoff
 from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
 from .transport import Transport, channel_options, feeder_info, measure_rtt
-from feeder.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
-from feeder.malloc import keep_freed_memory
-from feeder.order import torch_kind
-from feeder.security import explain
+from feeder.core.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
+from feeder.core.malloc import keep_freed_memory
+from feeder.core.order import torch_kind
+from feeder.service.security import explain
 from feeder.service.convert import CODES, COMPRESSION_ENUM as COMPRESSION, stream_request
 from feeder.v1 import feeder_pb2 as pb
 

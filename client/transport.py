@@ -5,8 +5,8 @@ import time
 
 import grpc
 
-from feeder.errors import FeederError, Unavailable
-from feeder.security import ClientSecurity, explain
+from feeder.core.errors import FeederError, Unavailable
+from feeder.service.security import ClientSecurity, explain
 from feeder.service.convert import CODES
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc

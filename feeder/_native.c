@@ -505,7 +505,7 @@ static PyObject *crc32c_soft_py(PyObject *self, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------ cursor MACs
- * HMAC-SHA256 of every cursor of a run (feeder/cursor.py: head | tail | MAC[:16]). In Python
+ * HMAC-SHA256 of every cursor of a run (feeder/core/cursor.py: head | tail | MAC[:16]). In Python
  * each costs ~3.4 us of interpreter calls under the GIL, 256 of them per 4 MiB message; here
  * the pads' and the head's full blocks are hashed once per run, each cursor then costs its
  * last one or two blocks and the outer block (~1 us), and all of it runs without the GIL.
@@ -1007,7 +1007,7 @@ static PyObject *pieces(PyObject *self, PyObject *args) {
 }
 
 /* ----------------------------------------------------------------- best-fit-decreasing packing
- * feeder/layout.py best_fit: items (document remainders, 1..capacity-1 tokens) taken longest
+ * feeder/core/layout.py best_fit: items (document remainders, 1..capacity-1 tokens) taken longest
  * first (ties in index order), each into the fullest open bin it fits (ties: the bin that got
  * to that fill last), a new bin where none does. Bins are kept in stacks by remaining room,
  * and a two-level bitset over the room values finds the smallest room >= an item's length in

@@ -173,7 +173,7 @@ static PyObject *randperm(PyObject *self, PyObject *args) {
  * and walking x -> F(x) -> F(F(x)) ... until the value falls below n is then a bijection of
  * [0, n) (each cycle of F, restricted to [0, n), stays a cycle). The domain is the smallest
  * even power of two >= n (at most 4n: under 4 steps of walk on average), so every n works,
- * 2^k + 1 included. feeder/order.py has the same arithmetic in numpy (the reference). */
+ * 2^k + 1 included. feeder/core/order.py has the same arithmetic in numpy (the reference). */
 static inline uint64_t mix64(uint64_t x) {   /* splitmix64's finalizer */
     x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
     x ^= x >> 27; x *= 0x94d049bb133111ebull;
@@ -226,7 +226,7 @@ static PyObject *feistel(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"randperm", randperm, METH_VARARGS, "torch.randperm(n) into a uint32/uint64 buffer (see the module doc)."},
-    {"feistel", feistel, METH_VARARGS, "The stateless order's ids at positions (see feeder/order.py)."},
+    {"feistel", feistel, METH_VARARGS, "The stateless order's ids at positions (see feeder/core/order.py)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shuffle", NULL, -1, methods};

@@ -6,15 +6,15 @@ import argparse
 import os
 import sys
 
-from feeder.cli_serve import add_format_flags, add_serve
-from feeder.errors import FeederError
+from feeder.ops.cli_serve import add_format_flags, add_serve
+from feeder.core.errors import FeederError
 
 EXIT_USER = 2
 
 
 def cmd_prep(args) -> int:
-    from feeder.config import PrepConfig
-    from feeder.prep import prep
+    from feeder.core.config import PrepConfig
+    from feeder.ops.prep import prep
 
     cfg = PrepConfig(inputs=tuple(args.inputs), out=args.out, tokenizer=args.tokenizer, eos_token=args.eos_token,
                      shard_tokens=args.shard_tokens, chunk_tokens=args.chunk_tokens, workers=args.workers,
@@ -26,8 +26,8 @@ def cmd_prep(args) -> int:
 
 
 def cmd_publish(args) -> int:
-    from feeder.config import PublishConfig
-    from feeder.publish import publish
+    from feeder.core.config import PublishConfig
+    from feeder.ops.publish import publish
 
     cfg = PublishConfig(inputs=tuple(args.inputs), to=args.to, partitions=args.partitions, tokenizer=args.tokenizer,
                         eos_token=args.eos_token, key=args.key, workers=args.workers, progress=not args.quiet)
@@ -38,7 +38,7 @@ def cmd_publish(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from feeder.status import show
+    from feeder.ops.status import show
 
     return show(args.target, job=args.job, watch=args.watch, interval=args.interval,
                 security=client_security(args))
@@ -54,7 +54,7 @@ def _client_security_flags(s) -> None:
 
 
 def client_security(args):
-    from feeder.security import ClientSecurity
+    from feeder.service.security import ClientSecurity
 
     return ClientSecurity(ca=args.ca, cert=args.cert, key=args.key, token_file=args.token_file,
                           token="" if args.token_file else os.environ.get("FEEDER_TOKEN", ""),
@@ -62,9 +62,9 @@ def client_security(args):
 
 
 def cmd_token(args) -> int:
-    from feeder.security import new_token, token_hash
+    from feeder.service.security import new_token, token_hash
 
-    from feeder.errors import InvalidArgument
+    from feeder.core.errors import InvalidArgument
 
     if not args.job and not args.metrics:
         raise InvalidArgument("feeder token needs --job NAME (repeat; '*': all) or --metrics")
@@ -82,7 +82,7 @@ def cmd_token(args) -> int:
 
 
 def cmd_certs(args) -> int:
-    from feeder import certs
+    from feeder.ops import certs
 
     if args.what == "ca":
         crt, _ = certs.make_ca(args.out, days=args.days or 3650)
@@ -100,12 +100,12 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from feeder.security import ClientSecurity, explain
+    from feeder.service.security import ClientSecurity, explain
 
     target, security = args.target, client_security(args)
     if args.config:
-        from feeder.config import ServeConfig
-        from feeder.regions import load_region
+        from feeder.core.config import ServeConfig
+        from feeder.ops.regions import load_region
 
         cfg = ServeConfig(**{"source": "-", **{k: v for k, v in load_region(args.config).items()
                                                if k != "cursor_secret_file"}})
@@ -138,7 +138,7 @@ def cmd_health(args) -> int:
 def cmd_audit(args) -> int:
     import json
 
-    from feeder.audit import audit
+    from feeder.ops.audit import audit
 
     results = audit(args.ledgers, job=args.job)
     for r in results:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from feeder.config import ServeConfig
+from feeder.core.config import ServeConfig
 from feeder.service.server import ServerThread
 from tests.helpers import byte_stream, make_docs, prep_docs
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from feeder.net import free_port
+from feeder.core.net import free_port
 
 WORDS = ("the feeder streams packed token batches to every rank über données 数据 ✓ "
          "def main(): return 0 # comment\n").split(" ")
@@ -34,8 +34,8 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 
 def prep_docs(root: Path, docs: list[str], **kw) -> Path:
     """`feeder prep` (byte tokenizer, one worker) of docs into root/shards."""
-    from feeder.config import PrepConfig
-    from feeder.prep import prep
+    from feeder.core.config import PrepConfig
+    from feeder.ops.prep import prep
 
     prep(PrepConfig(inputs=(str(write_jsonl(root / "docs.jsonl", docs)),), out=str(root / "shards"), workers=1,
                     progress=False, **kw))
@@ -94,7 +94,7 @@ def reference_ids(n: int, world: int, rank: int, *, shuffle: bool, seed: int, dr
                            drop_last=drop_last)
     s.set_epoch(epoch)
     if stateless:
-        from feeder.order import Stateless
+        from feeder.core.order import Stateless
 
         return Stateless(n, seed + epoch)[np.asarray(list(s), dtype=np.int64)].tolist()
     return list(s)
@@ -117,7 +117,7 @@ def reference_slice(n: int, world: int, rank: int, *, shuffle: bool, seed: int, 
     g = (rank + np.arange(start, stop, dtype=np.int64) * world) % n
     if not shuffle:
         return g.tolist()
-    from feeder.order import Stateless
+    from feeder.core.order import Stateless
 
     return Stateless(n, seed + epoch)[g].tolist()
 
@@ -127,7 +127,7 @@ def sample(stream: np.ndarray, i: int, seq_len: int) -> np.ndarray:
 
 
 def expected_ids(stream: np.ndarray, rank: int, world: int, seq_len: int, seed: int, epoch: int = 0) -> list[int]:
-    from feeder.sampler import n_samples
+    from feeder.core.sampler import n_samples
 
     return reference_ids(n_samples(len(stream), seq_len), world, rank, shuffle=True, seed=seed, drop_last=False,
                          epoch=epoch)
@@ -146,7 +146,7 @@ def served_until_error(batches):
     that ends without one fails the test."""
     import pytest
 
-    from feeder.errors import FeederError
+    from feeder.core.errors import FeederError
 
     served = []
     with pytest.raises(FeederError) as e:

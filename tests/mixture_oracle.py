@@ -93,7 +93,7 @@ def source_perm(n, seed, name, cycle, shuffle, permutation="torch"):
         return tuple(range(n))
     s = (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
     if permutation == "stateless":
-        from feeder.order import Stateless
+        from feeder.core.order import Stateless
 
         return tuple(Stateless(n, s + cycle)[list(range(n))].tolist())
     return tuple(torch.randperm(n, generator=torch.Generator().manual_seed(s + cycle)).tolist())

@@ -9,14 +9,14 @@ import urllib.request
 import pytest
 
 from feeder.cli import build_parser
-from feeder.cli_serve import serve_config
-from feeder.config import ServeConfig
-from feeder.errors import Code, FeederError
-from feeder.security import TokenStore, token_hash
+from feeder.ops.cli_serve import serve_config
+from feeder.core.config import ServeConfig
+from feeder.core.errors import Code, FeederError
+from feeder.service.security import TokenStore, token_hash
 from feeder.service.server import ServerThread
 from feeder_client import FeederDataset
 from feeder_client.stream import feeder_info
-from feeder.security import ClientSecurity
+from feeder.service.security import ClientSecurity
 
 pytestmark = pytest.mark.security
 SEQ, MB = 16, 4

@@ -19,8 +19,8 @@ import pytest
 import zstandard
 
 from feeder_client import FeederDataset
-from feeder.errors import InvalidArgument
-from feeder.security import token_hash
+from feeder.core.errors import InvalidArgument
+from feeder.service.security import token_hash
 from feeder.v1 import feeder_pb2 as pb
 from tests.helpers import FeederProc, make_docs, refused, write_jsonl
 
@@ -34,7 +34,7 @@ def prep(*args) -> subprocess.CompletedProcess:
 
 
 def tokens_of(out: Path) -> list[int]:
-    from feeder import manifest as mf
+    from feeder.sources import manifest as mf
 
     m = mf.read(out)
     return [t for s in m.shards
@@ -69,7 +69,7 @@ COMPRESSORS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
 def test_regression_compressed_inputs_are_read_not_tokenized_as_text(tmp_path, kind, packer):
     """A compressed .jsonl/.txt/.tfrecord preps to exactly the tokens of its plain content; the
     compression is told by the magic bytes, so a compressed file named plain .jsonl etc. is read too."""
-    from feeder.prep import write_tfrecord
+    from feeder.ops.prep import write_tfrecord
 
     plain = tmp_path / f"plain.{kind}"
     if kind == "jsonl":
@@ -280,7 +280,7 @@ def test_regression_audit_of_a_file_that_is_not_a_ledger_exits_2(tmp_path):
 def test_regression_an_unbounded_stream_ends_at_the_last_epoch_the_wire_can_name(feeder, stream):
     """epoch=2**32-2, num_epochs=0: the plan reached epoch 2**32, which no cursor can hold, and
     the stream failed INTERNAL, retried until retry_for_s. Now it ends after epoch 2**32-1."""
-    from feeder.sampler import n_samples
+    from feeder.core.sampler import n_samples
 
     ds = FeederDataset([feeder.address], job="last-epochs", rank=0, world_size=1, seq_len=256, micro_batch=64,
                        epoch=2**32 - 2, num_epochs=0, retry_for_s=10)

@@ -13,7 +13,7 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 import pytest
 
-from feeder import manifest as mf
+from feeder.sources import manifest as mf
 from tests.helpers import make_docs, write_jsonl
 
 FEEDER = [sys.executable, "-m", "feeder.cli"]
@@ -33,7 +33,7 @@ def read_stream(out: Path) -> np.ndarray:
 
 
 def test_prep_byte_contract_over_every_input_kind(tmp_path):
-    from feeder.prep import write_tfrecord
+    from feeder.ops.prep import write_tfrecord
 
     docs = make_docs(30, seed=3)
     jsonl = write_jsonl(tmp_path / "a.jsonl", docs[:20])

@@ -10,8 +10,8 @@ import torch
 import zstandard
 
 from feeder_client.stream import ClientConfig, decode
-from feeder.config import StreamSpec
-from feeder.errors import Code, FeederError
+from feeder.core.config import StreamSpec
+from feeder.core.errors import Code, FeederError
 from feeder.v1 import feeder_pb2 as pb
 
 DT = {np.uint16: pb.DTYPE_UINT16, np.uint32: pb.DTYPE_UINT32}

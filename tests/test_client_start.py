@@ -10,8 +10,8 @@ import sys
 import textwrap
 import time
 
-from feeder.errors import Code
-from feeder.net import free_port
+from feeder.core.errors import Code
+from feeder.core.net import free_port
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc, served_until_error
 
@@ -29,7 +29,7 @@ def test_closed_ports_raise_within_connect_timeout_in_a_few_lines_naming_every_t
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     r, took = run_script(f"""
         from feeder_client import FeederDataset
-        from feeder.errors import FeederError
+        from feeder.core.errors import FeederError
         ds = FeederDataset([{a!r}, {b!r}], job="j", rank=0, world_size=1, seq_len=16, micro_batch=4,
                            connect_timeout_s=3)
         try:
@@ -78,7 +78,7 @@ def test_an_iterator_held_in_a_global_exits_without_a_traceback(dataset):
         r, _ = run_script(f"""
             from feeder_client import FeederDataset
             from feeder_client.stream import ClientConfig, FeederClient
-            from feeder.config import StreamSpec
+            from feeder.core.config import StreamSpec
             ds = FeederDataset([{f.address!r}], job="g", rank=0, world_size=2, seq_len=16, micro_batch=4,
                                num_epochs=0)
             it = iter(ds)                 # a generator, kept in a module-level global

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from feeder.config import ServeConfig, StreamSpec
-from feeder.engine import Engine
-from feeder.errors import Code, FeederError
-from feeder.process_status import JobStatus, ProcessStatus, RankStatus
+from feeder.core.config import ServeConfig, StreamSpec
+from feeder.domain.engine import Engine
+from feeder.core.errors import Code, FeederError
+from feeder.domain.process_status import JobStatus, ProcessStatus, RankStatus
 from feeder.service import convert
 from feeder.v1 import feeder_pb2 as pb
 

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from feeder import sampling_key as key
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor
-from feeder.planning import StreamPlan
+from feeder.core import sampling_key as key
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor
+from feeder.core.planning import StreamPlan
 
 SPEC = StreamSpec(job="j", rank=1, world_size=4, seq_len=16, micro_batch=2, seed=7, num_epochs=2)
 

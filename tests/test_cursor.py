@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from feeder.cursor import Cursor, KafkaEpoch, KafkaFollow
-from feeder.errors import FailedPrecondition
+from feeder.core.cursor import Cursor, KafkaEpoch, KafkaFollow
+from feeder.core.errors import FailedPrecondition
 
 C = Cursor(job="job-1", fingerprint="ab" * 32, seed=3, shuffle=True, drop_last=False, seq_len=128,
            world_size=4, rank=2, epoch=1, base=0, pos=40, step=5)
@@ -35,8 +35,8 @@ def test_cursor_from_another_deployment_is_refused():
 def test_cursor_writer_writes_what_encode_writes(secret, native, monkeypatch):
     import dataclasses
 
-    from feeder import cursor
-    from feeder.cursor import CursorWriter
+    from feeder.core import cursor
+    from feeder.core.cursor import CursorWriter
 
     if not native:
         monkeypatch.setattr(cursor, "_native_cursors", None)
@@ -88,7 +88,7 @@ def test_native_mac_of_a_whole_cursor_equals_hmac_for_bodies_and_keys_of_every_l
     import hmac
     import random
 
-    from feeder import cursor
+    from feeder.core import cursor
 
     assert cursor._native_mac is not None, "the C extension is built by make env"
     rnd = random.Random(11)
@@ -106,7 +106,7 @@ def _v2(c: Cursor, text: str, secret: bytes) -> bytes:
     """A cursor as version 2 wrote it (checkpoints made before the typed positions hold these)."""
     import struct
 
-    from feeder.cursor import _HEAD, _TAIL, MAGIC, _mac
+    from feeder.core.cursor import _HEAD, _TAIL, MAGIC, _mac
 
     job, fp, src = c.job.encode(), c.fingerprint.encode(), text.encode()
     flags = (1 if c.shuffle else 0) | (2 if c.drop_last else 0)

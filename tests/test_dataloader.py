@@ -6,7 +6,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from feeder_client import FeederDataset
-from feeder.sampler import n_samples
+from feeder.core.sampler import n_samples
 from tests.helpers import reference_ids
 
 

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from feeder.cli import build_parser
-from feeder.cli_serve import serve_config
-from feeder.config import ServeConfig
-from feeder.errors import InvalidArgument
-from feeder.regions import load_region
+from feeder.ops.cli_serve import serve_config
+from feeder.core.config import ServeConfig
+from feeder.core.errors import InvalidArgument
+from feeder.ops.regions import load_region
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 REGIONS = ("us-east", "eu-west", "ap-south")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from feeder_client.policy import RETRYABLE, Finish, GiveUp, Policy, Retry, code_of, order_targets, rtt_step
-from feeder.errors import Code, FeederError
+from feeder.core.errors import Code, FeederError
 
 A, B, C = "a:1", "b:1", "c:1"
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.sampler import n_samples, per_rank
+from feeder.core.sampler import n_samples, per_rank
 from tests.helpers import FeederProc, reference_ids
 from tests.helpers import check_batches as check, expected_ids as expected
 
@@ -113,7 +113,7 @@ def test_world_size_change_mid_epoch_deals_the_rest_once(feeder, stream, old, ne
 def test_ledger_audit_proves_exactly_once_across_failover(dataset, tmp_path):
     import json
 
-    from feeder.config import ServeConfig
+    from feeder.core.config import ServeConfig
     from feeder.service.server import ServerThread
 
     ledgers = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]

@@ -1,4 +1,4 @@
-"""The fence that keeps a replaced trainer off its replacement's rank (pipeline.stream.fence),
+"""The fence that keeps a replaced trainer off its replacement's rank (pipeline.jobs.fence),
 as a table of who opens what, without a server. tests/test_regressions.py and the harness's
 seed 200307 check it end to end; the cases here are the outside review's (pool reuse, a
 feeder that lost its state, DataLoader workers with their own start times)."""
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from feeder.config import StreamSpec
-from feeder.errors import FailedPrecondition
-from feeder.pipeline.stream import Jobs
+from feeder.core.config import StreamSpec
+from feeder.core.errors import FailedPrecondition
+from feeder.pipeline.jobs import Jobs
 
 
 class _Stream:

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from feeder.config import ServeConfig
-from feeder.errors import Code
+from feeder.core.config import ServeConfig
+from feeder.core.errors import Code
 from feeder.service.server import ServerThread
-from feeder.sources.posix import open_source
+from feeder.sources.open import open_source
 from feeder_client import FeederDataset
 from tests import format_writers as W
 from tests.helpers import (FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, refused,

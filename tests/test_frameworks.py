@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from feeder.config import ServeConfig
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from tests.helpers import free_port, reference_ids
 

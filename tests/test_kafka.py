@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.config import ServeConfig
-from feeder.errors import FeederError
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig
+from feeder.core.errors import FeederError
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder.sources.kafka import encode_record
 from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs, reference_ids, sample, write_jsonl
@@ -298,7 +298,7 @@ def test_bad_record_kinds_under_both_policies(kafka_broker, kind, policy):
                 np.testing.assert_array_equal(b.tokens.numpy()[0], sample(stream, i, seq_len))
             assert ids_of(got) == list(range(want))
             time.sleep(0.3)
-            from feeder.status import fetch
+            from feeder.ops.status import fetch
 
             rank = fetch(srv.address, "bad").jobs[0].ranks[0]
             assert rank.bad_records == (0 if invisible else 1)
@@ -327,7 +327,7 @@ def test_bounded_bad_records_skip_counts_and_fail_names_the_record(kafka_broker,
         for b in got:
             for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
                 np.testing.assert_array_equal(row, sample(stream, i, 8))
-        from feeder.status import fetch
+        from feeder.ops.status import fetch
 
         assert fetch(srv.address, "bb").jobs[0].ranks[0].bad_records == 1
         with pytest.raises(FeederError) as e:

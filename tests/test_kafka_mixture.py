@@ -15,9 +15,9 @@ import signal
 import numpy as np
 import pytest
 
-from feeder.config import ServeConfig
-from feeder.errors import Code, FeederError
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig
+from feeder.core.errors import Code, FeederError
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs, sample

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.config import ServeConfig
-from feeder.errors import Code, FeederError
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig
+from feeder.core.errors import Code, FeederError
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder.sources.kafka import MAGIC, BadRecord, decode_record
 from tests.helpers import sample
@@ -92,7 +92,7 @@ def _serve_with_bad(kafka_broker, tmp_path, bad: bytes, mode: str, policy: str, 
                 assert ids_of(got) == list(range(want))
                 for b in got:   # exactly the good documents, in order: the bad one is skipped
                     np.testing.assert_array_equal(b.tokens.numpy()[0], sample(stream, b.sample_ids.item(), SEQ))
-                from feeder.status import fetch
+                from feeder.ops.status import fetch
 
                 deadline = time.monotonic() + 5
                 while fetch(srv.address, job).jobs[0].ranks[0].bad_records != 1:
@@ -214,7 +214,7 @@ class Trickle:
 
 def epoch_of(batch) -> str:
     """The offset ranges a batch's cursor carries (the epoch the feeder served it from)."""
-    from feeder.cursor import DEV_SECRET, Cursor
+    from feeder.core.cursor import DEV_SECRET, Cursor
 
     return Cursor.decode(batch.cursor, DEV_SECRET).src.ranges
 
@@ -447,7 +447,7 @@ def test_epoch_register_first_record_after_a_gap_wins_and_later_ones_only_refres
 
 
 def test_epoch_ttl_option_must_be_a_positive_number():
-    from feeder.errors import InvalidArgument
+    from feeder.core.errors import InvalidArgument
     from feeder.sources.kafka import KafkaURL
 
     assert KafkaURL.parse("kafka://h:1/t?epoch_ttl_s=2.5").epoch_ttl_s == 2.5

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.config import ServeConfig
+from feeder.core.config import ServeConfig
 from feeder.service.server import ServerThread
 from tests.helpers import FeederProc, make_docs
 from tests.test_kafka import broker, check_follow, publish, samples_available, topic_name

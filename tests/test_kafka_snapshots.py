@@ -14,8 +14,8 @@ import time
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.config import ServeConfig
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder.sources.kafka.consumer import topic_id
 from feeder.sources.kafka.once import build_once, lock_path
@@ -93,7 +93,7 @@ def test_rank_waits_for_a_snapshot_another_feeder_builds_past_its_idle_timeout(k
         stop = threading.Event()
 
         def other_feeder():
-            from feeder.status import fetch
+            from feeder.ops.status import fetch
             from tests.test_ops import scrape, value
 
             t0 = time.monotonic()
@@ -144,7 +144,7 @@ def test_stream_of_a_rank_that_left_while_it_waited_is_closed_once_it_opens(kafk
         lock.parent.mkdir(parents=True)
         lock.write_text("{}")   # another feeder builds it (and beats, below)
         from feeder_client import ClientConfig, FeederClient
-        from feeder.config import StreamSpec
+        from feeder.core.config import StreamSpec
 
         spec = StreamSpec(job="left", rank=0, world_size=1, seq_len=EPOCH_SEQ, micro_batch=EPOCH_MB,
                           expected_fingerprint=ranges)
@@ -224,7 +224,7 @@ def test_cache_dir_comes_from_the_flag_or_a_region_file_relative_to_it(tmp_path)
     """`feeder serve --cache-dir DIR`, or `cache_dir = "..."` in a region file (relative to the
     file, as its other paths are); the flag wins."""
     from feeder.cli import build_parser
-    from feeder.cli_serve import serve_config
+    from feeder.ops.cli_serve import serve_config
 
     region = tmp_path / "r.toml"
     region.write_text('region = "r"\nsource = "d"\ncache_dir = "shared/cache"\n')

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from feeder.config import StreamSpec
-from feeder.errors import FailedPrecondition, InvalidArgument
+from feeder.core.config import StreamSpec
+from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.sources.kafka import (BAD_KINDS, EPOCH_TTL_S, MAGIC, BadRecord, FollowPlan, FollowState, KafkaURL,
                                   decode_record, encode_record, parse_ranges)
 from feeder.sources.kafka.codec import HEADER, read_header
@@ -448,7 +448,7 @@ def test_follow_plan_refuses_a_cursor_of_another_stream():
 def test_follow_plan_runs_carry_tokens_and_cursors_and_commit_what_the_loop_took():
     """The seam: a follow plan's runs are its batches (one each), with the tokens it read and
     the cursors it wrote; `taken(step)` passes that batch's offsets to the consumer group."""
-    from feeder.planning import PENDING
+    from feeder.core.planning import PENDING
 
     parts = [[[1, 2, 3, 4, 5, 6, 7]] * 6, [[8, 9, 10, 11, 12, 13]] * 6]
     plan, _ = follow_plan(parts, rank=0, world=1)
@@ -547,7 +547,7 @@ def test_follow_mixture_interleaves_by_megatrons_rule_decodes_only_its_slots_and
     """A follow-mode mixture without a broker (sources/kafka/mixed.py): slot k is the next record
     of the topic Megatron's rule picks at k, slot k is rank k mod W's, packed as one topic's
     records are; a rank decodes only its own slots' records; every cursor resumes exactly."""
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
     from feeder.sources.kafka.mixed import FollowMixPlan
     from tests.mixture_oracle import megatron_blend
 

@@ -13,11 +13,11 @@ PROGRAM = r"""
 import resource, sys, threading
 mode = sys.argv[1]
 if mode == "function":
-    from feeder.malloc import keep_freed_memory
+    from feeder.core.malloc import keep_freed_memory
     assert keep_freed_memory()
 elif mode.startswith("client"):
     from feeder_client.stream import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
     spec = StreamSpec(job="j", rank=0, world_size=1, seq_len=8, micro_batch=1)
     FeederClient(ClientConfig(targets=("127.0.0.1:1",), spec=spec, retry_for_s=1,
                               keep_freed_memory=mode == "client")).close()

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from feeder.errors import Code
-from feeder.errors import FeederError
+from feeder.core.errors import Code
+from feeder.core.errors import FeederError
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs, reference_ids
 from tests.mixture_oracle import Oracle, megatron_blend, remixed_rank, source_perm
@@ -93,7 +93,7 @@ def ds(feeder, job, world, rank, mixture, **kw):
 def test_blending_is_megatrons_bit_for_bit():
     """The feeder's blending (C, and its Python fallback) against the transcription above, over
     weights that make ties and tiny shares."""
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     rng = random.Random(0)
     cases = [[1, 1], [0.7, 0.3], [1, 2, 3], [1e-3, 1, 5], [0.25, 0.25, 0.5], [3, 0, 1]]
@@ -117,7 +117,7 @@ def test_follow_mode_interleave_is_megatrons_rule_from_any_slot():
     """A follow-mode mixture of topics (issue 26): slot k's topic, and which of its records fills
     it, are Megatron's blending rule run on without end, the same from whatever slot a stream
     resumes at (a pure function of the weights and the slot)."""
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     rng = random.Random(2)
     for weights in ([0.7, 0.3], [1, 2, 3], [3, 0, 1], [1e-3, 1, 5], [rng.random() for _ in range(7)]):
@@ -134,8 +134,8 @@ def test_draws_spanning_many_permutations_are_each_permutations_own():
     (the outside review: a one-sample source at weight 0.5 took 92 s to a first batch over 10^6
     positions; grouping by a mask per permutation was quadratic). Draws in any order, sources of
     1, 2, 3 samples and one above SMALL_SOURCE (cached orders), against torch.randperm."""
-    from feeder import mixture as mx
-    from feeder.cursor import Mixture
+    from feeder.core import blend as mx
+    from feeder.core.cursor import Mixture
 
     sizes = (1, 2, 3, mx.SMALL_SOURCE + 5)
     names = ("one", "two", "three", "big")
@@ -154,7 +154,7 @@ def test_draws_spanning_many_permutations_are_each_permutations_own():
 def test_megatron_cores_own_blending_agrees_where_it_installs():
     """Against megatron-core's own C++ helper where it imports here; otherwise against the
     transcription (test above), and the output says which."""
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     try:
         from megatron.core.datasets import helpers_cpp
@@ -332,7 +332,7 @@ def test_a_source_with_another_vocabulary_or_too_small_is_refused_naming_it(corp
     import dataclasses
     import shutil
 
-    from feeder import manifest as mf
+    from feeder.sources import manifest as mf
 
     other = tmp_path / "other"                  # the same shards, recorded with another EOS
     shutil.copytree(corpora["code"][0], other)
@@ -490,11 +490,11 @@ def test_the_second_review_a_corrupt_chunk_and_a_short_epoch_name_the_mixtures_p
     and drop_last over too few positions names epoch_samples, not "the dataset"."""
     import shutil
 
-    from feeder import manifest as mf
-    from feeder.config import StreamSpec
-    from feeder.errors import DataLoss
+    from feeder.sources import manifest as mf
+    from feeder.core.config import StreamSpec
+    from feeder.core.errors import DataLoss
     from feeder.sources.mixture import MixtureSource
-    from feeder.sources.posix import open_source
+    from feeder.sources.open import open_source
 
     bad = tmp_path / "code"
     shutil.copytree(corpora["code"][0], bad)
@@ -523,7 +523,7 @@ def test_found_by_the_outside_review_names_sizes_and_numpy_numbers(corpora, mixf
     whose name holds "=" (Hive style) is still one unnamed source; numpy's scalars are numbers."""
     import numpy as np
 
-    from feeder.config import named_sources
+    from feeder.core.config import named_sources
 
     with pytest.raises(FeederError) as e:
         take(ds(mixfeeder, "huge", 1, 0, {"web": 1, "code": 1}, epoch_samples=2**63, retry_for_s=3))

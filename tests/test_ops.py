@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.metrics import FAMILIES
+from feeder.service.metrics import FAMILIES
 from tests.helpers import FeederProc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +176,7 @@ def test_status_names_every_rank_of_two_jobs_with_progress_and_watch_exits_on_ct
         os.close(master)
         assert b"region=eu-west" in seen and b"Traceback" not in seen
 
-        from feeder.status import fetch
+        from feeder.ops.status import fetch
 
         assert max(r.queue_depth for j in fetch(f.address).jobs for r in j.ranks) > 0   # slow readers: queued replies
         for ds, _ in its:

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from feeder import order, sampler
-from feeder.cursor import Cursor
-from feeder.errors import Code, FeederError
-from feeder.order import TORCH_INSIDE_OUT_FROM as T
+from feeder.core import order, sampler
+from feeder.core.cursor import Cursor
+from feeder.core.errors import Code, FeederError
+from feeder.core.order import TORCH_INSIDE_OUT_FROM as T
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc
 
@@ -237,7 +237,7 @@ def test_a_cursor_naming_a_permutation_a_feeder_lacks_is_refused_and_the_rank_mo
 
         import dataclasses
 
-        from feeder import cursor as cursor_mod
+        from feeder.core import cursor as cursor_mod
 
         c = Cursor.decode(first[0].cursor, b"")
         with pytest.MonkeyPatch.context() as mp:   # a newer feeder's kind, at index 9
@@ -348,7 +348,7 @@ def test_the_blending_from_checkpoints_is_the_materialized_one_bit_for_bit(weigh
     BLEND_EVERY slots, equal the materialized blending (ties, weight-0 sources, 1 to 9 sources:
     each of the C scan's paths), including the slots next to a checkpoint; with checkpoints
     coupled from the past (up to 4 sources) and from the table's pass from slot 0."""
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     if path == "table":
         monkeypatch.setattr(mx, "COUPLE_SOURCES", 0)
@@ -372,7 +372,7 @@ def test_checkpoints_coupled_from_the_past_equal_the_pass_from_slot_0_far_out(we
     """Coupling (feeder/_native.c blend_couple) at 3·10^8 slots, where float rounding of
     w·x has grown: the same counts as the table's one pass from slot 0."""
     from feeder import _native
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     w = np.asarray(mx.normalized(weights))
     e = mx.BLEND_EVERY
@@ -396,7 +396,7 @@ def test_review_a_truncated_order_file_is_built_again_and_an_orphaned_build_remo
     orders = tmp_path / "cache" / "orders"
     orders.mkdir(parents=True)
     (orders / name).write_bytes(b"\0" * 1000)
-    from feeder.order_store import _HOST
+    from feeder.domain.order_store import _HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -483,8 +483,8 @@ def test_the_oracles_closed_form_blending_is_megatrons_loop():
 def test_review2_a_mixture_past_2_45_positions_is_refused_at_once():
     """R1: epoch_samples of 2^48 (up to 2^62 was promised) waited forever: coupling's float margin
     gave out near 2^47, and the fallback table's 1 TiB allocation died in a background thread."""
-    from feeder.config import MAX_EPOCH_SAMPLES, StreamSpec
-    from feeder.errors import InvalidArgument
+    from feeder.core.config import MAX_EPOCH_SAMPLES, StreamSpec
+    from feeder.core.errors import InvalidArgument
 
     spec = dict(job="j", rank=0, world_size=1, seq_len=8, micro_batch=1, mixture=(("a", 1.0), ("b", 1.0)))
     StreamSpec(**spec, epoch_samples=MAX_EPOCH_SAMPLES)
@@ -492,7 +492,7 @@ def test_review2_a_mixture_past_2_45_positions_is_refused_at_once():
         StreamSpec(**spec, epoch_samples=MAX_EPOCH_SAMPLES + 1)
     # the coupling holds at the limit, with 4 sources
     from feeder import _native
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     w = np.asarray(mx.normalized((1, 2, 3, 4)))
     out = np.empty(4, dtype=np.int64)
@@ -503,8 +503,8 @@ def test_review2_weights_that_never_couple_use_the_table_and_are_not_retried_at_
     """R2: {a: 1, b: 0} (a weight 0 after a weighted source) never couples: each poll retried it
     for seconds, so the ranks' waiting notes stopped. Now the first failure sends these weights to
     the table (the same answers), and a table past its limit is refused, not allocated."""
-    from feeder import mixture as mx
-    from feeder.errors import FailedPrecondition
+    from feeder.core import blend as mx
+    from feeder.core.errors import FailedPrecondition
 
     w = mx.normalized((1, 0))
     index, draw, _ = mx.blend(w, 40 * mx.BLEND_EVERY)
@@ -525,9 +525,9 @@ def test_review2_a_failed_or_stopped_blending_scan_is_said_not_waited_on(monkeyp
     """R1's thread death left ranks waiting at 0% forever; R5: SIGTERM did not stop a scan
     (13.9 s). A scan that fails or is stopped now says so to every rank, and keeps no
     half-computed rows."""
-    from feeder import mixture as mx
-    from feeder import sampler as smp
-    from feeder.errors import FailedPrecondition
+    from feeder.core import blend as mx
+    from feeder.core import sampler as smp
+    from feeder.core.errors import FailedPrecondition
 
     monkeypatch.setattr(mx, "BLEND_INLINE", 1 << 16)
     cp = mx.checkpoints(mx.normalized((1,) * 6))   # 6 sources: the table, ~3 ns a slot
@@ -558,8 +558,8 @@ def test_review2_a_failed_or_stopped_blending_scan_is_said_not_waited_on(monkeyp
 def test_review2_an_order_larger_than_the_cache_is_refused_before_any_other_is_removed(tmp_path):
     """R3: a torch order that can never fit (a 32 EiB one) was retried every 5 s, forever, and
     each try first removed every other order in the cache (on Lustre: the region's)."""
-    from feeder.errors import FailedPrecondition
-    from feeder.order_store import OrderStore
+    from feeder.core.errors import FailedPrecondition
+    from feeder.domain.order_store import OrderStore
 
     st = OrderStore(str(tmp_path), max_bytes=64 << 20)
     other = tmp_path / "orders" / "randperm-fwd-n5000000-s1.u32"
@@ -580,10 +580,10 @@ def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_
     cache.mkdir()
     script = (
         "import sys, time\n"
-        "import feeder.order_store as store\n"
+        "import feeder.domain.order_store as store\n"
         f"store._huge_pages_for = lambda size: {huge}\n"
-        "from feeder.order_store import OrderStore\n"
-        "from feeder.sampler import OrderPending\n"
+        "from feeder.domain.order_store import OrderStore\n"
+        "from feeder.core.sampler import OrderPending\n"
         "st = OrderStore(sys.argv[1])\n"
         "for _ in range(300):\n"
         "    try:\n"
@@ -604,7 +604,7 @@ def test_the_order_store_builds_torchs_order_either_way_and_leaves_no_scratch(tm
     """The store draws a large order on huge pages and writes it out in parts, else straight
     into a mapped file: the same ids as torch.randperm either way (forced here at a size
     whose parts are not whole: 3 parts and 4 bytes), and nothing left beside the order."""
-    import feeder.order_store as store
+    import feeder.domain.order_store as store
 
     monkeypatch.setattr(store, "_huge_pages_for", lambda size: huge)
     monkeypatch.setattr(store, "WRITE_CHUNK", 1 << 20)
@@ -630,7 +630,7 @@ def test_review3_a_disk_cache_that_fills_while_the_order_is_copied_onto_it_keeps
     sidecar either, and it is tried again RETRY_S after it failed."""
     import errno
 
-    import feeder.order_store as store
+    import feeder.domain.order_store as store
 
     def full(src, dst):
         with open(dst, "wb") as f:

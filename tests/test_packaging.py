@@ -116,7 +116,7 @@ def test_feeder_finds_bench_through_the_entry_point_group(monkeypatch, capsys):
         raise AssertionError("a built-in command read the entry points")
 
     monkeypatch.setattr(importlib.metadata, "entry_points", no_reading)
-    from feeder.cli_serve import cmd_serve
+    from feeder.ops.cli_serve import cmd_serve
 
     assert cli.build_parser(["serve"]).parse_args(["serve", "--source", "x"]).fn is cmd_serve
 
@@ -125,7 +125,7 @@ def test_a_serving_feeder_process_never_loads_torch(dataset):
     """`feeder serve` streaming to a client: the feeder's process has no torch library mapped
     (torch is the client extra's; a feeder host installs without it)."""
     from feeder_client import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     f = FeederProc(dataset)
     try:
@@ -179,7 +179,7 @@ def test_the_wheel_requires_torch_only_for_the_client_extra(wheel):
         eps = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"feeder", "feeder_client", "feeder_trainer", "feeder_bench"}, tops
-    assert "feeder/tokenizer.py" in names and "feeder/tokenize.py" not in names
+    assert "feeder/ops/tokenizer.py" in names and "feeder/tokenize.py" not in names
     assert "feeder/bench.py" not in names and "feeder_bench/h2count.py" in names
     assert {"feeder_client/dataset.py", "feeder_trainer/train.py", "feeder_trainer/ds_config.json"} <= set(names)
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
@@ -239,8 +239,8 @@ def test_a_feeder_without_its_c_shuffle_refuses_torch_orders_and_serves_stateles
     serves the stateless order (numpy)."""
     import numpy as np
 
-    from feeder import order, sampler
-    from feeder.errors import FailedPrecondition
+    from feeder.core import order, sampler
+    from feeder.core.errors import FailedPrecondition
 
     monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ImportError: never needed
     assert len(sampler.randperm(2**20, 1)) == 2**20

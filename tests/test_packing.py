@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from feeder.config import ServeConfig
+from feeder.core.config import ServeConfig
 from feeder.service.server import ServerThread
 from feeder_client import FeederDataset
 from tests import format_writers as W
@@ -270,14 +270,14 @@ def test_best_fit_bins_hold_every_document_whole_and_every_token_once_an_epoch(f
     assert n_bins <= 1.10 * -(-n_tokens // (BIN + 1))           # within 10 % of a perfect packing
     per_rank = -(-n_bins // 3)
     assert [sum(len(b.sample_ids) for b in rank) for rank in epoch] == [per_rank] * 3
-    from feeder.status import fetch, render
+    from feeder.ops.status import fetch, render
 
     line = next(p for p in fetch(feeder.address).packings if p.startswith(f"manifest seq_len {BIN}:"))
     truncated = sum(len(d.encode("utf-8")) + 1 > BIN + 1 for d in docs)
     padding = 1 - n_tokens / (n_bins * (BIN + 1))
     assert f"{len(docs)} documents in {n_bins} bins, {100 * padding:.2f}% padding, {truncated} truncated" in line
     assert "per 10^6 documents" in line and render(fetch(feeder.address), feeder.address).caption
-    from feeder.audit import audit
+    from feeder.ops.audit import audit
 
     [verdict] = audit([feeder.cfg.ledger], job="bf-epoch")      # `feeder audit` of the bins, unchanged
     assert verdict["exactly_once"] and verdict["samples"] == n_bins and verdict["n_missing"] == 0
@@ -372,7 +372,7 @@ def test_best_fit_fails_over_exactly_from_a_sigkilled_feeder_to_one_that_packed_
 
 
 def test_ranks_that_disagree_on_packing_or_boundaries_and_concat_cursors_are_refused(feeder):
-    from feeder.errors import Code, FeederError
+    from feeder.core.errors import Code, FeederError
 
     common = dict(world_size=2, seq_len=BIN, micro_batch=4, seed=SEED, dataset="manifest", read_ahead=1,
                   retry_for_s=5)
@@ -394,7 +394,7 @@ def test_ranks_that_disagree_on_packing_or_boundaries_and_concat_cursors_are_ref
 def test_the_packer_is_best_fit_decreasing_in_c_and_python_alike_and_pads_web_lengths_little():
     """The C packer and its Python twin give the same bins; on web-like (log-normal) lengths
     the padding is far below 3 %; every piece is whole and within its bin."""
-    from feeder import layout
+    from feeder.core import layout
 
     rng = np.random.default_rng(27)
     for _ in range(30):
@@ -421,7 +421,7 @@ def test_the_packer_is_best_fit_decreasing_in_c_and_python_alike_and_pads_web_le
 def test_kafka_records_are_documents_when_bounded_and_a_followed_topic_refuses_them(kafka_broker, tmp_path):
     from collections import Counter
 
-    from feeder.errors import Code, FeederError
+    from feeder.core.errors import Code, FeederError
     from tests.test_kafka import publish, topic_name
 
     docs = make_docs(60, seed=4)
@@ -528,7 +528,7 @@ def test_review_feeders_whose_bins_differ_refuse_each_others_packed_cursors(tmp_
     first and last 4 KiB keeps its fingerprint, so a feeder that had packed it before and one
     that packed it after took each other's cursors and dealt other bins. The packed cursors'
     fingerprint now holds the bins' digest: refused, marked for another feeder."""
-    from feeder.errors import Code, FeederError
+    from feeder.core.errors import Code, FeederError
     from tests.helpers import FeederProc
 
     docs = make_docs(120, seed=5)
@@ -574,7 +574,7 @@ def test_review_a_packing_build_does_not_hold_up_other_packings_or_status(format
     import time
 
     from feeder.sources import packed as pk
-    from feeder.status import fetch
+    from feeder.ops.status import fetch
 
     packed_epoch(feeder.address, "bf-lock-0", 1)
     src = next(t.source for t in pk._tables.values() if t.seq_len == BIN and t.source.name == "manifest")

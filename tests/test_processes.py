@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.errors import NotFound
-from feeder.status import fetch
+from feeder.core.errors import NotFound
+from feeder.ops.status import fetch
 from tests.helpers import check_batches, expected_ids
 
 SEQ, MB, SEED = 16, 4, 5
@@ -187,7 +187,7 @@ def test_a_killed_process_is_started_again_its_ranks_resume_and_sigterm_stops_al
 def test_status_of_several_processes_merges_each_rank_once():
     """A rank that moved (its stream broke and the kernel gave the new one to another process)
     shows as it is now, in the process that serves it, with the counts of both."""
-    from feeder.siblings import merge
+    from feeder.domain.siblings import merge
     from feeder.v1 import feeder_pb2 as pb
 
     def reply(uptime, streams, *ranks):
@@ -221,8 +221,8 @@ def test_a_process_leaves_its_status_for_the_others_when_a_rank_finishes_not_onl
     answers flipped between finished and all sent, outside review)."""
     import grpc
 
-    import feeder.siblings as siblings
-    from feeder.config import ServeConfig
+    import feeder.domain.siblings as siblings
+    from feeder.core.config import ServeConfig
     from feeder.service.server import ServerThread
     from feeder.v1 import feeder_pb2 as pb
     from feeder.v1 import feeder_pb2_grpc as pb_grpc

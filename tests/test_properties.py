@@ -22,12 +22,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from feeder import cursor as cursor_mod
-from feeder import sampler
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, CursorWriter, KafkaEpoch, KafkaFollow, KafkaFollowMix
-from feeder.errors import FailedPrecondition, InvalidArgument
-from feeder.pipeline.plan import StreamPlan
+from feeder.core import cursor as cursor_mod
+from feeder.core import sampler
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, CursorWriter, KafkaEpoch, KafkaFollow, KafkaFollowMix
+from feeder.core.errors import FailedPrecondition, InvalidArgument
+from feeder.core.planning import StreamPlan
 from tests.helpers import reference_ids
 
 settings.register_profile(
@@ -118,7 +118,7 @@ def test_randperm_of_both_torch_loops_equals_torch(n, seed):
     """The C forward loop gives torch.randperm's permutation; in uint32 and uint64 alike."""
     import torch
 
-    from feeder import order
+    from feeder.core import order
 
     g = torch.Generator()
     g.manual_seed(seed)
@@ -570,7 +570,7 @@ def test_a_source_dropped_by_a_remix_and_mixed_in_again_goes_on_where_it_stood()
 def test_a_mixtures_fill_table_and_its_run_by_run_fill_agree(case, changes):
     """Epochs up to FILL_TABLE_MAX positions are filled from a table per epoch, larger ones run
     by run: both give the same batches, through remixes too."""
-    from feeder import mixture as mx
+    from feeder.core import blend as mx
 
     def all_batches():
         out, cursors, names, weights, world = [], None, case["names"], case["weights"], case["world"]

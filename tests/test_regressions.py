@@ -12,9 +12,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from feeder_client import FeederDataset
-from feeder.config import ServeConfig, StreamSpec
-from feeder.errors import Code, FeederError, Unavailable
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig, StreamSpec
+from feeder.core.errors import Code, FeederError, Unavailable
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, reference_ids
 from tests.test_stream import _corrupt_copy
@@ -68,8 +68,8 @@ def test_sigterm_with_the_whole_rest_queued_fails_over_instead_of_ending(big):
 def test_end_after_the_producer_finished_still_ends_with_the_error(dataset):
     """The mechanism under finding 1 (and supersede, which takes the same path): `end(error)`
     on a stream whose producer has finished drops the queue, so the stream must raise."""
-    from feeder.engine import Engine
-    from feeder.service.server import load_sources
+    from feeder.domain.engine import Engine
+    from feeder.sources.open import load_sources
     from feeder.service.wire import encode_reply
 
     async def run():
@@ -98,7 +98,7 @@ def test_an_ok_end_without_the_end_marker_is_resumed_not_believed(dataset, strea
     taking it for the end of its data."""
     from feeder.v1 import feeder_pb2 as pb
     from feeder.v1 import feeder_pb2_grpc as pb_grpc
-    from feeder.net import free_port
+    from feeder.core.net import free_port
 
     seq_len, mb, seed = 16, 4, 2
     with ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=4096)) as good:
@@ -260,8 +260,8 @@ def test_reshard_at_an_epochs_end_does_not_deal_drop_lasts_tail_again():
     """n=10, world 4, drop_last: ids 2 and 4 are left out of epoch 0. A job that checkpointed
     right after the epoch's last batch and resumed with world 1 (reshard) got epoch 0 steps 2-3
     with ids [2] and [4]; now it goes on with epoch 1, as an uninterrupted run would."""
-    from feeder.cursor import DEV_SECRET, Cursor
-    from feeder.pipeline.plan import StreamPlan
+    from feeder.core.cursor import DEV_SECRET, Cursor
+    from feeder.core.planning import StreamPlan
 
     def spec(world, rank, **kw):
         return StreamSpec(job="tail", rank=rank, world_size=world, seq_len=1, micro_batch=1, seed=3,
@@ -282,8 +282,8 @@ def test_a_resharded_ranks_own_cursor_resumes_its_dealing_instead_of_re_dealing_
     re-dealt from where rank 3 alone stood, so the padding of its last batch came from another
     place in the order than in the batch it had already served for that step (`feeder audit`:
     conflicting batches). A cursor of a dealing over the same world size now goes on in it."""
-    from feeder.cursor import DEV_SECRET, Cursor
-    from feeder.pipeline.plan import StreamPlan
+    from feeder.core.cursor import DEV_SECRET, Cursor
+    from feeder.core.planning import StreamPlan
 
     def spec(world, rank, **kw):
         return StreamSpec(job="own", rank=rank, world_size=world, seq_len=1, micro_batch=2, seed=5,
@@ -408,7 +408,7 @@ def test_a_cursor_that_names_no_place_in_the_stream_is_refused(feeder, change):
     get FAILED_PRECONDITION with a message, not INTERNAL or UNKNOWN, nor an empty stream."""
     import dataclasses
 
-    from feeder.cursor import DEV_SECRET, Cursor, KafkaEpoch, KafkaFollow
+    from feeder.core.cursor import DEV_SECRET, Cursor, KafkaEpoch, KafkaFollow
     from feeder_client.stream import ClientConfig, FeederClient
 
     base = dict(job="bad-cursor", rank=0, world_size=2, seq_len=16, micro_batch=2, seed=1, num_epochs=1)

@@ -7,9 +7,9 @@ import grpc
 import psutil
 import pytest
 
-from feeder.config import PrepConfig
-from feeder.prep import prep
-from feeder.status import fetch
+from feeder.core.config import PrepConfig
+from feeder.ops.prep import prep
+from feeder.ops.status import fetch
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 from tests.test_faults import FeederProc
@@ -47,7 +47,7 @@ def test_paused_reader_keeps_feeder_memory_within_the_prefetch_budget(big_datase
         # The client's own channel settings, pinging every 5 s: over the pause below nothing
         # flows, so a server that did not accept those pings would answer GOAWAY too_many_pings.
         from feeder_client.stream import ClientConfig, channel_options
-        from feeder.config import StreamSpec
+        from feeder.core.config import StreamSpec
 
         opts = channel_options(ClientConfig(targets=(feeder.address,), keepalive_s=5, spec=StreamSpec(
             job="x", rank=0, world_size=1, seq_len=1, micro_batch=1)))
@@ -78,7 +78,7 @@ def test_paused_reader_keeps_feeder_memory_within_the_prefetch_budget(big_datase
 def test_a_thousand_abrupt_cancels_leave_nothing_behind(big_dataset, auth, tmp_path):
     # With tokens every call also passes the auth interceptor, which wraps the streaming
     # handler (interceptors on aio streams have leaked before: grpc#25449).
-    from feeder.security import ClientSecurity
+    from feeder.service.security import ClientSecurity
 
     extra, sec = [], ClientSecurity()
     if auth:

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from feeder import sampler
+from feeder.core import sampler
 from tests.helpers import reference_ids
 
 
@@ -61,7 +61,7 @@ def test_randperm_without_torch_is_torchs_randperm(n, seed):
     import numpy as np
     import torch
 
-    from feeder.sampler import randperm
+    from feeder.core.sampler import randperm
 
     g = torch.Generator()
     g.manual_seed(seed)
@@ -73,7 +73,7 @@ def test_the_feeder_process_does_not_import_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from feeder.sampler import epoch_order; from feeder.service import server; "
+    code = ("import sys; from feeder.core.sampler import epoch_order; from feeder.service import server; "
             "epoch_order(1000, 3, 1, True); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

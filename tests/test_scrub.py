@@ -9,10 +9,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from feeder.config import ServeConfig
-from feeder.errors import Code
+from feeder.core.config import ServeConfig
+from feeder.core.errors import Code
 from feeder.service.server import ServerThread
-from feeder.status import fetch
+from feeder.ops.status import fetch
 from feeder_client import FeederDataset
 from tests.helpers import byte_stream, check_batches, make_docs, prep_docs, served_until_error
 
@@ -66,7 +66,7 @@ def test_a_chunk_changed_after_its_first_read_is_data_loss_from_then_on(tmp_path
 
 
 def test_scrub_rate_is_checked_and_zero_turns_it_off(dataset):
-    from feeder.errors import InvalidArgument
+    from feeder.core.errors import InvalidArgument
 
     for bad in (-1, float("nan"), "fast"):
         with pytest.raises(InvalidArgument, match="scrub_mb_s must be a non-negative number"):
@@ -81,7 +81,7 @@ def test_scrub_rate_is_checked_and_zero_turns_it_off(dataset):
 
 def test_a_region_file_sets_the_scrub_rate_and_the_flag_wins(tmp_path, dataset):
     from feeder.cli import build_parser
-    from feeder.cli_serve import serve_config
+    from feeder.ops.cli_serve import serve_config
 
     region = tmp_path / "r.toml"
     region.write_text(f'source = "{dataset}"\nscrub_mb_s = 4.5\n')

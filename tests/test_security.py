@@ -13,10 +13,10 @@ import pytest
 
 from feeder_client import FeederDataset
 from feeder_client.stream import ClientConfig, FeederClient, feeder_info
-from feeder import certs
-from feeder.config import StreamSpec
-from feeder.errors import Code, FeederError
-from feeder.security import ClientSecurity, token_hash
+from feeder.ops import certs
+from feeder.core.config import StreamSpec
+from feeder.core.errors import Code, FeederError
+from feeder.service.security import ClientSecurity, token_hash
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 from tests.helpers import FeederProc, check_batches, expected_ids, free_port
@@ -185,7 +185,7 @@ def test_tokens_and_certificates_rotate_without_restart(secure_feeder, pki, tmp_
 
 
 def test_fingerprint_mismatch_is_refused_and_the_client_moves_to_a_matching_region(dataset, tmp_path, docs, stream):
-    from feeder import manifest as mf
+    from feeder.sources import manifest as mf
     from tests.helpers import prep_docs
 
     other = prep_docs(tmp_path, docs[:-3])  # a stale replica: three documents short
@@ -238,7 +238,7 @@ def test_beyond_loopback_a_feeder_refuses_to_start_without_a_cursor_secret(datas
                      "beyond loopback")
     # Given, it starts (the previous test starts one with --cursor-secret-file); loopback keeps
     # the development key for local use.
-    from feeder.config import ServeConfig
+    from feeder.core.config import ServeConfig
 
     assert ServeConfig(source=str(dataset), listen="0.0.0.0:1", insecure=True, cursor_secret=b"k").cursor_secret
     assert not ServeConfig(source=str(dataset), listen="127.0.0.1:1").cursor_secret
@@ -303,8 +303,8 @@ def test_a_replaced_stream_ends_its_client_instead_of_moving_to_another_region(d
     """A newer stream of the same (job, rank) ends the older one with FAILED_PRECONDITION: that
     refusal is about the request, not the replica, so the old client stops (it must not go on
     to the next region and fight the new one)."""
-    from feeder.errors import NotFound
-    from feeder.status import fetch
+    from feeder.core.errors import NotFound
+    from feeder.ops.status import fetch
 
     f1, f2 = FeederProc(dataset), FeederProc(dataset)
     spec = StreamSpec(job="zombie", rank=0, world_size=1, seq_len=SEQ, micro_batch=MB, num_epochs=0)

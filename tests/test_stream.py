@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from feeder_client import FeederDataset
-from feeder.config import ServeConfig
-from feeder.errors import Code, FeederError
-from feeder.sampler import n_samples
+from feeder.core.config import ServeConfig
+from feeder.core.errors import Code, FeederError
+from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
@@ -153,7 +153,7 @@ def test_cursor_from_another_dataset_is_refused(feeder, tmp_path, docs):
 
 
 def _corrupt_copy(dataset, tmp_path, mutate):
-    from feeder import manifest as mf
+    from feeder.sources import manifest as mf
 
     copy = tmp_path / "copy"
     shutil.copytree(dataset, copy)
@@ -249,7 +249,7 @@ def test_health_reflection_and_info(feeder, dataset):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from feeder import manifest as mf
+    from feeder.sources import manifest as mf
 
     with grpc.insecure_channel(feeder.address) as ch:
         h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="feeder.v1.Feeder"))
@@ -263,8 +263,8 @@ def test_health_reflection_and_info(feeder, dataset):
 
 
 def test_jobs_without_streams_are_forgotten_after_the_idle_ttl():
-    from feeder.config import StreamSpec
-    from feeder.pipeline.stream import Jobs
+    from feeder.core.config import StreamSpec
+    from feeder.pipeline.jobs import Jobs
 
     now = [1000.0]
     jobs = Jobs(idle_ttl_s=60, clock=lambda: now[0])
@@ -286,9 +286,9 @@ def test_jobs_without_streams_are_forgotten_after_the_idle_ttl():
 def test_read_many_equals_read_across_chunks_and_shards(dataset, monkeypatch, native):
     """The run reader (locate, then one memcpy per row) against the per-sample reader, with samples that
     cross record-batch and shard boundaries; with the C gather and with numpy's (no compiler)."""
-    from feeder import rows
-    from feeder.errors import InvalidArgument
-    from feeder.sources.posix import open_source
+    from feeder.core import rows
+    from feeder.core.errors import InvalidArgument
+    from feeder.sources.open import open_source
 
     assert rows._gather is not None   # built at install
     if not native:
@@ -315,7 +315,7 @@ def test_read_many_equals_read_across_chunks_and_shards(dataset, monkeypatch, na
 def test_gather_passes_over_a_chunk_shorter_than_a_row(monkeypatch, native):
     """A chunk shorter than a row holds none of a block's rows (they cross it and were read
     aside), yet is among the buffers: numpy's gather failed on it with INTERNAL (outside review)."""
-    from feeder import rows
+    from feeder.core import rows
 
     if not native:
         monkeypatch.setattr(rows, "_gather", None)
@@ -333,13 +333,13 @@ def test_fast_path_frames_exactly_what_the_batch_by_batch_path_frames(dataset, w
     the plan's own batches() writes."""
     import dataclasses
 
-    from feeder import sampler
-    from feeder.config import StreamSpec
-    from feeder.cursor import CursorWriter
+    from feeder.core import sampler
+    from feeder.core.config import StreamSpec
+    from feeder.core.cursor import CursorWriter
     from feeder.pipeline.batcher import block_from_runs
-    from feeder.pipeline.plan import StreamPlan
+    from feeder.core.planning import StreamPlan
     from feeder.service.wire import encode_reply
-    from feeder.sources.posix import open_source
+    from feeder.sources.open import open_source
 
     src = open_source(str(dataset))
     spec = StreamSpec(job="j", rank=rank, world_size=world, seq_len=64, micro_batch=mb, num_epochs=2,
@@ -372,7 +372,7 @@ def test_closing_a_client_while_it_reports_prints_no_traceback(feeder, monkeypat
     import time
 
     from feeder_client.stream import ClientConfig, FeederClient
-    from feeder.config import StreamSpec
+    from feeder.core.config import StreamSpec
 
     died = []
     monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))

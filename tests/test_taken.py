@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from feeder.config import ServeConfig
-from feeder.errors import NotFound
+from feeder.core.config import ServeConfig
+from feeder.core.errors import NotFound
 from feeder.service.server import ServerThread
-from feeder.status import fetch
+from feeder.ops.status import fetch
 from feeder_client import FeederDataset
 
 SEQ, MB, WORLD, READ_AHEAD = 64, 16, 2, 8
@@ -103,7 +103,7 @@ def test_what_was_sent_and_not_taken_is_bounded_by_the_read_ahead_budget_in_byte
 
 
 def test_merged_status_takes_the_job_from_the_process_that_streamed_it():
-    from feeder.siblings import merge
+    from feeder.domain.siblings import merge
     from feeder.v1 import feeder_pb2 as pb
 
     heard = pb.StatusReply(region="r", processes=1)

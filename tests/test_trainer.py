@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from feeder.config import ServeConfig
+from feeder.core.config import ServeConfig
 from feeder.service.server import ServerThread
 from tests.helpers import free_port
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from feeder_client import FeederDataset
-from feeder.status import fetch
+from feeder.ops.status import fetch
 from tests.helpers import FeederProc, byte_stream, check_batches, expected_ids, make_docs, prep_docs, sample
 from tests.wanproxy import PyProxies, start_proxies
 

@@ -192,7 +192,7 @@ def test_boundaries_follow_the_batches_one_entry_each():
     starts, whichever writer frames the reply."""
     import dataclasses
 
-    from feeder.layout import Bounds
+    from feeder.core.layout import Bounds
 
     rng = np.random.default_rng(27)
     b = block([8, 1, 5, 200], sample_len=300)

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from feeder.net import free_port
+from feeder.core.net import free_port
 
 TOXIPROXY_VERSION = "v2.12.0"
 TOXIPROXY_BIN = Path(os.environ.get("TOXIPROXY_SERVER", Path.home() / ".cache" / "feeder" / "toxiproxy" / "server"))

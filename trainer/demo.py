@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from feeder.corpus import build_corpus, build_docs_corpus
-from feeder.net import free_port
+from feeder.ops.corpus import build_corpus, build_docs_corpus
+from feeder.core.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "demo"
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   training took {time.monotonic() - t0:.0f}s", flush=True)
         subprocess.run([*feeder, "status", "--target", address], check=False)
         if packing:
-            from feeder.status import fetch
+            from feeder.ops.status import fetch
 
             padding = {m.group(1): float(m.group(2)) for line in fetch(address).packings
                        if (m := re.match(r"(\w+) seq_len \d+: .* ([\d.]+)% padding", line))}

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from feeder.security import ClientSecurity
+from feeder.service.security import ClientSecurity
 from feeder_client import FeederDataset, feeder_info
 from feeder_client.packing import megatron_inputs
 

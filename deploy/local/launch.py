@@ -45,7 +45,7 @@ def demo_dataset(root: Path) -> Path:
     if (out / "manifest.json").exists():
         return out
     sys.path.insert(0, str(REPO))
-    from feeder.corpus import build_corpus
+    from feeder.ops.corpus import build_corpus
 
     corpus = root / "stdlib.jsonl"
     build_corpus(corpus, 2 << 20)

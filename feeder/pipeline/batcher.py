@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from feeder.cursor import CursorWriter
-from feeder.layout import Bounds
-from feeder.planning import PlannedRun
-from feeder.rows import Rows
+from feeder.core.cursor import CursorWriter
+from feeder.core.layout import Bounds
+from feeder.core.planning import PlannedRun
+from feeder.core.rows import Rows
 from feeder.sources import Plan
 
 

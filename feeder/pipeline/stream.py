@@ -1,4 +1,5 @@
-"""Open streams: the job registry, per-rank state, and the bounded prefetch queue.
+"""Open streams: one producer per stream and its bounded prefetch queue (the job registry
+they are attached to is pipeline/jobs.py).
 
 Each stream has one producer task that builds whole messages (a Block of batches, up to
 `message_bytes` of raw tokens, framed into reply bytes) on the shared thread pool and puts
@@ -8,22 +9,18 @@ holds at most that budget.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator
 
-import numpy as np
-
-from feeder.config import ServeConfig, StreamSpec
-from feeder.errors import FailedPrecondition, FeederError, NotFound
-from feeder.cursor import CursorWriter
+from feeder.core.config import ServeConfig, StreamSpec
+from feeder.core.cursor import CursorWriter
+from feeder.core.errors import FailedPrecondition, FeederError
+from feeder.core.planning import PENDING, Pending, PlannedRun
 from feeder.pipeline.batcher import Block, block_from_runs
-from feeder.planning import PENDING, Pending, PlannedRun
-from feeder.sampling_key import job_key, job_mismatch
+from feeder.pipeline.jobs import RankState
 from feeder.sources import Plan
 
 log = logging.getLogger("feeder.stream")
@@ -33,250 +30,6 @@ MAX_BATCHES_PER_MESSAGE = 256
 WAITING = object()
 WAITING_POLL_S = 0.2
 WAITING_EVERY_S = 1.0
-
-# Upper bounds (seconds) of the source read latency histogram.
-READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-@dataclass
-class RankState:
-    """What status and metrics show about one rank of one job."""
-
-    rank: int
-    connected: bool = False
-    state: str = "streaming"     # streaming | all sent | finished (the loop took the last) | disconnected
-    epoch: int = 0               # being sent
-    samples_done: int = 0        # sent, of that epoch
-    samples_in_epoch: int = 0
-    batches_sent: int = 0
-    bytes_sent: int = 0
-    raw_bytes_sent: int = 0
-    payload_bytes_sent: int = 0  # token bytes after compression
-    tokens_sent: int = 0
-    queue_depth: int = 0
-    wait_s: float = 0.0
-    step_s: float = 0.0
-    last_error: str = ""
-    peer: str = ""
-    streams_opened: int = 0
-    failovers: int = 0
-    micro_batch: int = 1
-    seq_len: int = 0
-    taken_rate: float | None = None  # tokens/s the training loop takes (from its reports)
-    consumed: tuple[int, int] | None = None   # (epoch, step) of the last batch the loop took
-    last_sent: tuple[int, int] | None = None  # (epoch, step) of the last batch sent
-    read_s: float = 0.0          # time spent reading the source for this rank's batches
-    reads: int = 0
-    read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
-    bad_records: int = 0         # skipped under bad_records=skip
-    kafka_lag: dict[int, int] = field(default_factory=dict)   # partition -> records behind the end
-    mixture: tuple[str, ...] = ()    # a mixture's source names, in its order
-    source_samples: dict[str, int] = field(default_factory=dict)   # samples sent from each
-    rate_tokens: float = 0.0     # tokens/s, smoothed
-    _rate_t: float = field(default_factory=time.monotonic)
-    _rate_tokens: int = 0
-
-    def sent(self, block: Block, wire: int) -> None:
-        now = time.monotonic()
-        k = len(block)
-        toks = block.n_tokens
-        self.read_s += block.read_s
-        self.reads += k
-        self.read_buckets[bisect.bisect_left(READ_BUCKETS, block.read_s / k)] += k   # each batch its share
-        self.batches_sent += k
-        self.bytes_sent += wire
-        self.raw_bytes_sent += block.raw_bytes
-        self.payload_bytes_sent += block.payload_bytes
-        self.tokens_sent += toks
-        if block.sources is not None and self.mixture:
-            for d, c in enumerate(np.bincount(block.sources, minlength=len(self.mixture)).tolist()):
-                name = self.mixture[d]
-                self.source_samples[name] = self.source_samples.get(name, 0) + c
-        self._rate_tokens += toks
-        if now - self._rate_t >= 1.0:
-            rate = self._rate_tokens / (now - self._rate_t)
-            self.rate_tokens = rate if self.rate_tokens == 0 else 0.5 * self.rate_tokens + 0.5 * rate
-            self._rate_t, self._rate_tokens = now, 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """What the rank consumes (reported) while connected; until it reports, what is sent."""
-        if not self.connected:
-            return 0.0
-        return self.taken_rate if self.taken_rate is not None else self.rate_tokens
-
-    @property
-    def data_wait_fraction(self) -> float:
-        return self.wait_s / self.step_s if self.step_s > 0 else 0.0
-
-    @property
-    def position(self) -> tuple[int, int]:
-        """(epoch, samples of it) the rank's loop has taken, from its reports; (epoch being
-        sent, 0) until its first report: what was sent runs ahead by the prefetch, the network's
-        buffers and the client's read-ahead, and is never shown as taken."""
-        if self.consumed is not None:
-            epoch, step = self.consumed
-            return epoch, min(self.samples_in_epoch, (step + 1) * self.micro_batch)
-        return self.epoch, 0
-
-    def took(self, position: tuple[int, int]) -> None:
-        """The rank's loop reports the (epoch, step) of the last batch it took."""
-        self.consumed = position
-        if self.state == "all sent" and self.last_sent is not None and position >= self.last_sent:
-            self.state = "finished"
-
-    def all_sent(self) -> None:
-        """The stream ran to its end: finished once the loop has taken the last batch too."""
-        done = self.consumed is not None and self.last_sent is not None and self.consumed >= self.last_sent
-        self.state = "finished" if done else "all sent"
-
-
-@dataclass
-class Job:
-    job: str
-    dataset: str
-    key: tuple          # the parameters every rank of the job must share
-    world_size: int
-    ranks: dict[int, RankState] = field(default_factory=dict)
-    streams: dict[tuple[int, int], "RankStream"] = field(default_factory=dict)
-    idle_since: float | None = None   # monotonic time its last stream closed
-    # (rank, worker) -> the start time of the trainer process holding it, and those of the
-    # processes it replaced here: see fence(). Kept when streams close: that is when a replaced
-    # process may come back.
-    holders: dict[tuple[int, int], int] = field(default_factory=dict)
-    replaced: dict[tuple[int, int], set[int]] = field(default_factory=dict)
-
-
-def unknown_job(job: str, known) -> NotFound:
-    """The error for a job nobody streams here, naming those that are (one process's or all's)."""
-    return NotFound(f"job {job!r} is not known to this feeder (known: {sorted(known) or 'none'})")
-
-
-class Jobs:
-    """All jobs this feeder serves. Event-loop only (no locks needed).
-
-    A job nobody has streamed for `idle_ttl_s` is forgotten (status stops showing it), so a
-    feeder that runs for months does not keep every job it ever served."""
-
-    def __init__(self, idle_ttl_s: float = 24 * 3600, clock=time.monotonic):
-        self.jobs: dict[str, Job] = {}
-        self.idle_ttl_s, self.clock = idle_ttl_s, clock
-
-    def evict_idle(self) -> list[str]:
-        now = self.clock()
-        gone = [name for name, j in self.jobs.items()
-                if not j.streams and j.idle_since is not None and now - j.idle_since > self.idle_ttl_s]
-        for name in gone:
-            del self.jobs[name]
-            log.info("job %s forgotten after %.0f s without streams", name, self.idle_ttl_s)
-        return gone
-
-    def get(self, job: str) -> Job:
-        j = self.jobs.get(job)
-        if j is None:
-            raise unknown_job(job, self.jobs)
-        return j
-
-    def attach(self, spec: StreamSpec, stream: "RankStream") -> RankState:
-        self.evict_idle()
-        key = job_key(spec)
-        j = self.jobs.get(spec.job)
-        fenced = {}
-        if j is not None:
-            fence(j, spec)
-            fenced = dict(holders=j.holders, replaced=j.replaced)
-        if j is not None and j.key != key:
-            if j.streams:
-                # Live ranks define the job; a rank with other parameters would get other samples.
-                raise job_mismatch(spec.job, j.key, key)
-            j = None  # nobody is connected: the job restarts with new parameters (e.g. elastic)
-        if j is None:
-            j = self.jobs[spec.job] = Job(job=spec.job, key=key, world_size=spec.world_size,
-                                          dataset=spec.dataset or "+".join(n for n, _ in spec.mixture),
-                                          **fenced)
-        slot = (spec.rank, spec.worker_index)
-        hold(j, slot, spec)
-        old = j.streams.get(slot)
-        if old is not None:
-            # The newest stream of a rank wins: an older one is a peer that failed over or restarted.
-            old.supersede()
-        j.streams[slot] = stream
-        j.idle_since = None
-        state = j.ranks.setdefault(spec.rank, RankState(rank=spec.rank))
-        state.connected, state.state = True, "streaming"
-        state.streams_opened += 1
-        state.micro_batch, state.seq_len = spec.micro_batch, spec.seq_len
-        state.mixture = tuple(n for n, _ in spec.mixture)
-        return state
-
-    def detach(self, spec: StreamSpec, stream: "RankStream") -> None:
-        j = self.jobs.get(spec.job)
-        if j is None:
-            return
-        slot = (spec.rank, spec.worker_index)
-        if j.streams.get(slot) is stream:
-            del j.streams[slot]
-        if not any(r == spec.rank for r, _ in j.streams):
-            j.ranks[spec.rank].connected = False
-            j.ranks[spec.rank].queue_depth = 0   # its queue went with its stream
-        if not j.streams:
-            j.idle_since = self.clock()
-
-    @property
-    def streams_open(self) -> int:
-        return sum(len(j.streams) for j in self.jobs.values())
-
-
-def fence(job: Job, spec: StreamSpec) -> None:
-    """Refuse a continued stream of a slot (rank, worker) from a process that was replaced there.
-
-    The newest stream of a slot wins, which is how a restarted trainer takes its rank over. But
-    a replaced process whose own stream broke for another reason (a reset, the feeder's
-    SIGTERM) reconnects without knowing it was replaced; its stream would then be the newest
-    and displace the live process (soak seed 200307). A reconnect is a continued stream
-    (StreamSpec.continued), and a process is named by its start time (client_started_ns):
-      * a first stream is never refused: its process now holds the slot (a restarted trainer,
-        a pool of processes reusing a job name, a new pass), and the holder it displaced is
-        recorded as replaced;
-      * a continued stream from the holder is its own reconnect;
-      * a continued stream from a process replaced here is refused;
-      * one from a process this feeder has not seen on the slot (it streamed on another feeder
-        or process of this port, or this feeder restarted) is refused if it is older than the
-        holder, else it takes over: of two processes that both reconnect, the younger is the
-        replacement (soak seed 600390: under `serve --processes 2` the replacement had opened
-        its first stream on the other process).
-    0 (an older client) is neither fenced nor recorded. Across hosts the time order needs
-    clocks that agree far better than a restart takes (NTP: milliseconds)."""
-    t, slot = spec.client_started_ns, (spec.rank, spec.worker_index)
-    holder = job.holders.get(slot, 0)
-    if not (spec.continued and t and holder) or t == holder:
-        return
-    if t in job.replaced.get(slot, ()):
-        why = "it was replaced here by another process"
-    elif t < holder:
-        why = f"a process that started {(holder - t) / 1e9:.9f} s later holds it"
-    else:
-        return
-    raise FailedPrecondition(
-        f"stream of job {spec.job!r} rank {spec.rank} (worker {spec.worker_index}) continues a stream of a trainer "
-        f"process that no longer holds this rank: {why} (a restarted trainer took the rank over), so this one "
-        "may not take it back")
-
-
-def hold(job: Job, slot: tuple[int, int], spec: StreamSpec) -> None:
-    """Record an accepted stream's process as the slot's holder (see fence)."""
-    t = spec.client_started_ns
-    if not t:
-        return
-    replaced = job.replaced.setdefault(slot, set())
-    old = job.holders.get(slot, 0)
-    if old and old != t:
-        replaced.add(old)
-        if len(replaced) > 64:   # a slot's history need not grow without end
-            replaced.discard(min(replaced))
-    if not spec.continued:
-        replaced.discard(t)   # a first stream is meant: a process may take a slot back afresh
-    job.holders[slot] = t
 
 
 class RankStream:

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
-from feeder.config import StreamSpec
-from feeder.errors import ELSEWHERE, Code, FeederError, InvalidArgument
-from feeder.process_status import ProcessStatus
+from feeder.core.config import StreamSpec
+from feeder.core.errors import ELSEWHERE, Code, FeederError, InvalidArgument
+from feeder.domain.process_status import ProcessStatus
 from feeder.v1 import feeder_pb2 as pb
 
 if TYPE_CHECKING:
-    from feeder.engine import Engine
+    from feeder.domain.engine import Engine
     from feeder.sources import Source
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name   # "feeder.v1.Feeder"

@@ -11,14 +11,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from feeder import sampler
-from feeder.config import ServeConfig
-from feeder.engine import Engine
-from feeder.errors import Unavailable
+from feeder.core import sampler
+from feeder.core.config import ServeConfig
+from feeder.domain.engine import Engine
+from feeder.core.errors import Unavailable
 from feeder.sources import packed
 from feeder.service.wire import encode_reply
 from feeder.service.servicer import FeederServicer, add_to_server, status_reply
 from feeder.sources import Source
+from feeder.sources.open import load_sources
 from feeder.v1 import feeder_pb2 as pb
 
 log = logging.getLogger("feeder.server")
@@ -38,29 +39,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.lookahead_bytes", 4 << 20),
 ]
-
-
-def open_one(cfg: ServeConfig, where: str, name: str = "") -> Source:
-    """One dataset: a Kafka topic, or a directory (named after it unless `name` is given)."""
-    if where.startswith("kafka://"):
-        from feeder.sources.kafka import KafkaSource, KafkaURL
-
-        src = KafkaSource(KafkaURL.parse(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id), cache_dir=cfg.cache_dir)
-        if name:
-            src.name = name
-        return src
-    from feeder.sources.posix import open_source
-
-    return open_source(where, vocab_size=cfg.vocab_size, eos_id=cfg.eos_id, name=name, column=cfg.column,
-                       dtype=cfg.token_dtype, index=cfg.index)
-
-
-def load_sources(cfg: ServeConfig) -> dict[str, Source]:
-    """The feeder's datasets by name, the default first."""
-    if not cfg.sources:
-        src = open_one(cfg, cfg.source)
-        return {src.name: src}
-    return {name: open_one(cfg, where, name) for name, where in cfg.sources}
 
 
 class Server:
@@ -86,7 +64,7 @@ class Server:
         cfg = self.cfg
         interceptors = []
         if cfg.tokens_file:
-            from feeder.security import AuthInterceptor, TokenStore
+            from feeder.service.security import AuthInterceptor, TokenStore
             from feeder.service.servicer import STATUS
 
             self.tokens = TokenStore(cfg.tokens_file)
@@ -103,18 +81,18 @@ class Server:
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         if cfg.tls:
-            from feeder.security import ReloadingCertificates
+            from feeder.service.security import ReloadingCertificates
 
             self.certificates = ReloadingCertificates(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
         else:
-            from feeder.net import is_loopback
+            from feeder.core.net import is_loopback
 
             if not is_loopback(cfg.listen.rpartition(":")[0]):
                 log.warning("serving PLAIN TEXT on %s (--insecure): tokens, cursors and data cross the network "
                             "unencrypted; use --tls-cert/--tls-key beyond a trusted network", cfg.listen)
         # Metrics first: a process that cannot serve them never listens, so it takes no stream.
         if cfg.metrics_listen:
-            from feeder.metrics import start_metrics
+            from feeder.service.metrics import start_metrics
 
             self.metrics_server, self.metrics_address = start_metrics(
                 self.engine, asyncio.get_running_loop(), cfg.metrics_listen,
@@ -132,7 +110,7 @@ class Server:
                               "is not an address of this machine")
         await self.server.start()
         if cfg.scrub_mb_s:
-            from feeder.scrub import Scrubber
+            from feeder.domain.scrub import Scrubber
             from feeder.sources.posix import PosixSource
 
             # The sources served from files (formats included); Kafka's are its own.
@@ -148,7 +126,7 @@ class Server:
         """Leave this process's status for the other processes of this port: every second, and
         soon after a stream opens or closes (coalesced over COALESCE_S, so 64 ranks connecting
         at once cost a few writes, not 64)."""
-        from feeder.siblings import COALESCE_S, EVERY_S
+        from feeder.domain.siblings import COALESCE_S, EVERY_S
 
         siblings, changed = self.engine.siblings, asyncio.Event()
         self.engine.on_change = changed.set

@@ -9,14 +9,14 @@ import logging
 
 import grpc
 
-from feeder.engine import Engine
-from feeder import preparing
-from feeder.errors import COMPLETE, END, FeederError, Unavailable
-from feeder.pipeline.stream import unknown_job
+from feeder.domain.engine import Engine
+from feeder.sources import preparing
+from feeder.core.errors import COMPLETE, END, FeederError, Unavailable
+from feeder.pipeline.jobs import unknown_job
 from feeder.service import convert
 from feeder.service.convert import SERVICE, spec_from_request
 from feeder.service.convert import STATUS  # noqa: F401  (server.py hands it to the AuthInterceptor from here)
-from feeder.siblings import merge
+from feeder.domain.siblings import merge
 from feeder.v1 import feeder_pb2 as pb
 from feeder.v1 import feeder_pb2_grpc as pb_grpc
 

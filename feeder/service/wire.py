@@ -12,7 +12,7 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
-from feeder.layout import ranges
+from feeder.core.layout import ranges
 from feeder.pipeline.batcher import Block
 from feeder.service.convert import COMPRESSION_ENUM, DTYPE_ENUM
 

@@ -18,11 +18,11 @@ from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor
-from feeder.layout import Bounds
-from feeder.planning import Pending, PlannedRun, Start
-from feeder.rows import Rows
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor
+from feeder.core.layout import Bounds
+from feeder.core.planning import Pending, PlannedRun, Start
+from feeder.core.rows import Rows
 
 
 @runtime_checkable

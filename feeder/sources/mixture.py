@@ -15,14 +15,14 @@ from typing import Iterator
 
 import numpy as np
 
-from feeder import mixture as mx
-from feeder import sampler
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, Mixture
-from feeder.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
-from feeder.planning import PENDING, PlannedRun, Start, StreamPlan
-from feeder.rows import Rows
-from feeder.layout import Bounds
+from feeder.core import blend as mx
+from feeder.core import sampler
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, Mixture
+from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
+from feeder.core.planning import PENDING, PlannedRun, Start, StreamPlan
+from feeder.core.rows import Rows
+from feeder.core.layout import Bounds
 from feeder.sources import ChunkTable, PerJob
 from feeder.sources.posix import locate_bounds, locate_rows
 
@@ -330,7 +330,7 @@ class MixturePlan:
         ptr = b.ptr()
         inv = np.empty_like(order)
         inv[order] = np.arange(len(order))
-        from feeder.layout import ranges
+        from feeder.core.layout import ranges
 
         at = ranges(ptr[:-1][inv], b.counts[inv])
         return Bounds(b.counts[inv], b.lengths[inv], b.starts[at])

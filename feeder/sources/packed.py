@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder import preparing
-from feeder.errors import FailedPrecondition
-from feeder.layout import PACKED_PREFIX, PACKER, Bounds, Packing, best_fit
-from feeder.rows import Rows
+from feeder.sources import preparing
+from feeder.core.errors import FailedPrecondition
+from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, best_fit
+from feeder.core.rows import Rows
 
 try:
     from feeder._native import pieces as _pieces   # a bin's documents, one memcpy each, without the GIL

@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from feeder import manifest as mf
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, Mixture
-from feeder.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, WrongReplica
-from feeder.layout import Bounds, window_bounds
-from feeder.planning import StreamPlan
-from feeder.rows import Rows
+from feeder.sources import manifest as mf
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, Mixture
+from feeder.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, WrongReplica
+from feeder.core.layout import Bounds, window_bounds
+from feeder.core.planning import StreamPlan
+from feeder.core.rows import Rows
 
 log = logging.getLogger("feeder.source")
 
@@ -377,25 +377,3 @@ def locate_bounds(table, starts: np.ndarray, n: int) -> Bounds:
         chunks.update(range(a + 1, b))
     parts = [table.doc_starts(k) for k in sorted(chunks)]
     return window_bounds(np.concatenate(parts) if parts else np.zeros(0, np.int64), starts, n)
-
-
-def open_source(root: str, *, vocab_size: int = 0, eos_id: int = -1, name: str = "", column: str = "",
-                dtype: str = "", index: str = "") -> PosixSource:
-    """A manifest dataset; a corpus in another tool's format (feeder.sources.formats: Megatron,
-    Hugging Face save_to_disk, MDS, nanoGPT, llm.c), served where it lies; or a Parquet token
-    dataset indexed on the fly."""
-    from feeder.sources import formats
-
-    if (Path(root) / mf.NAME).is_file():
-        return PosixSource(root, name=name)
-    src = formats.open_any(root, formats.Options(vocab_size=vocab_size, eos_id=eos_id, column=column, dtype=dtype,
-                                                 index=index), name=name)
-    if src is not None:
-        return src
-    if not Path(root).is_dir():
-        raise NotFound(f"dataset {root} does not exist" if not Path(root).exists() else
-                       f"{root}: no dataset format recognized; looked for {formats.LOOKED_FOR}")
-    if not any(Path(root).rglob("*.parquet")):
-        raise NotFound(f"{root}: no dataset format recognized; looked for {formats.LOOKED_FOR}")
-    log.info("%s has no %s: indexing its Parquet files", root, mf.NAME)
-    return PosixSource(root, name=name, manifest=index_parquet(root, vocab_size=vocab_size, eos_id=eos_id))

@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 
-from feeder.sampler import per_rank
+from feeder.core.sampler import per_rank
 from tests.chaos.rank import token_hash
 from tests.helpers import reference_ids
 

@@ -24,7 +24,7 @@ import torch  # noqa: F401  (preloaded by the forkserver: ranks and their worker
 from torch.utils.data import DataLoader
 
 from feeder_client import FeederDataset
-from feeder.errors import FeederError
+from feeder.core.errors import FeederError
 
 
 def token_hash(tokens_int64: bytes) -> str:

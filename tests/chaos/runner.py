@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.net import free_port
+from feeder.core.net import free_port
 from tests.chaos.scenario import FEEDER_FAULTS, Fault, Scenario
 from tests.helpers import byte_stream, make_docs, packed_bins, prep_docs
 
@@ -46,7 +46,7 @@ class Corpus:
 
     def samples(self, seq_len: int, packing: str) -> int:
         """Samples of an epoch: concat windows, or best-fit bins."""
-        from feeder.sampler import n_samples
+        from feeder.core.sampler import n_samples
 
         return len(self.bins(seq_len)) if packing == "best_fit" else n_samples(len(self.stream), seq_len)
 
@@ -399,7 +399,7 @@ class ScenarioRun:
 
     # -- plan arithmetic
     def batches_per_epoch(self, world: int) -> int:
-        from feeder.sampler import per_rank
+        from feeder.core.sampler import per_rank
 
         per = per_rank(self.n, world, self.sc.drop_last)
         return -(-per // self.sc.micro_batch)
@@ -611,7 +611,7 @@ class ScenarioRun:
         """A client of the same job and rank that disagrees on one parameter, on a feeder where
         the job is live: it must be refused with FAILED_PRECONDITION (and disturb nobody)."""
         from feeder_client import FeederDataset
-        from feeder.errors import Code, FeederError
+        from feeder.core.errors import Code, FeederError
 
         if self.sc.processes > 1:
             return   # the job's checks hold per process; which one it lands on is the kernel's choice

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.errors import DataLoss, InvalidArgument
-from feeder.sources.formats import Options, Reader, ShardInfo, chunking, file_ends, head_digest, need_vocab, split
+from feeder.core.errors import DataLoss, InvalidArgument
+from feeder.sources.formats.base import Options, Reader, ShardInfo, chunking, file_ends, head_digest, need_vocab, split
 
 LLMC_HEADER_BYTES = 256 * 4
 # llm.c dev/data/data_common.py HEADERS_INFO: magic -> (version, token dtype, model).

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from feeder import manifest as mf
-from feeder.errors import DataLoss, InvalidArgument
-from feeder.sources.formats import Options, Reader, ShardInfo, file_ends, head_digest, need_vocab
+from feeder.sources import manifest as mf
+from feeder.core.errors import DataLoss, InvalidArgument
+from feeder.sources.formats.base import Options, Reader, ShardInfo, file_ends, head_digest, need_vocab
 from feeder.sources.posix import rows_doc_starts, with_eos
 
 DEFAULT_COLUMN = "input_ids"

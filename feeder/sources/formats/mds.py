@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder import manifest as mf
-from feeder.errors import DataLoss, InvalidArgument
-from feeder.sources.formats import Options, Reader, ShardInfo, file_ends, head_digest, need_vocab
+from feeder.sources import manifest as mf
+from feeder.core.errors import DataLoss, InvalidArgument
+from feeder.sources.formats.base import Options, Reader, ShardInfo, file_ends, head_digest, need_vocab
 
 DEFAULT_COLUMN = "input_ids"
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")

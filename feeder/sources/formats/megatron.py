@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.errors import DataLoss, InvalidArgument, NotFound
-from feeder.sources.formats import Options, Reader, chunking, head_digest, need_vocab
+from feeder.core.errors import DataLoss, InvalidArgument, NotFound
+from feeder.sources.formats.base import Options, Reader, chunking, head_digest, need_vocab
 from feeder.sources.formats.flat import TokenFiles
 
 MAGIC = b"MMIDIDX\x00\x00"

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from feeder.errors import DataLoss, InvalidArgument, NotFound
-from feeder.sources.formats import (LOOKED_FOR, Options, Reader, chunking, first_out_of_vocab, open_format,
-                                    to_manifest)
+from feeder.core.errors import DataLoss, InvalidArgument, NotFound
+from feeder.sources.formats.base import LOOKED_FOR, Options, Reader, chunking, first_out_of_vocab, to_manifest
+from feeder.sources.formats.kinds import open_format
 
 FORMAT = "feeder-index/1"
 NAME = "feeder-index.json"
@@ -87,7 +87,7 @@ def load(path: Path, reader: Reader) -> list[list[str]]:
 
 def index(source: str, opts: Options, *, out: str = "", workers: int = 0, progress: bool = True) -> dict:
     """Hash every chunk of `source` (resuming a run interrupted on the same files); write the sidecar."""
-    from feeder.progress import Progress
+    from feeder.core.progress import Progress
 
     opts = replace(opts, chunk_tokens=chunking(opts), index="")
     reader = open_format(source, opts)

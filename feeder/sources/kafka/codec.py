@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from feeder import manifest as mf
+from feeder.sources import manifest as mf
 
 try:
     from feeder._native import ids as _ids   # a record's range check (and EOS) in one pass, holding the GIL

@@ -10,7 +10,7 @@ import logging
 import threading
 import uuid
 
-from feeder.errors import NotFound, Unavailable
+from feeder.core.errors import NotFound, Unavailable
 
 
 def consumer_config(bootstrap: str, **extra) -> dict:

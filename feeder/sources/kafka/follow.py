@@ -15,11 +15,11 @@ from typing import Iterator
 
 import numpy as np
 
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, KafkaFollow
-from feeder.errors import FailedPrecondition
-from feeder.planning import PENDING, Pending, PlannedBatch, PlannedRun, Start
-from feeder.sampling_key import DEAL, cursor_mismatch
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, KafkaFollow
+from feeder.core.errors import FailedPrecondition
+from feeder.core.planning import PENDING, Pending, PlannedBatch, PlannedRun, Start
+from feeder.core.sampling_key import DEAL, cursor_mismatch
 from feeder.sources.kafka.reader import FollowReader, FollowState
 
 try:

@@ -25,10 +25,10 @@ from typing import Iterator
 
 import numpy as np
 
-from feeder import mixture as mx
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, KafkaFollow, KafkaFollowMix
-from feeder.errors import FailedPrecondition, InvalidArgument
+from feeder.core import blend as mx
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, KafkaFollow, KafkaFollowMix
+from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.sources.kafka.follow import FollowPlan
 from feeder.sources.kafka.reader import FollowState
 from feeder.sources.mixture import check_fit, shown_mixture

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlparse
 
-from feeder.errors import InvalidArgument
+from feeder.core.errors import InvalidArgument
 
 MODES = ("bounded", "follow")
 POLICIES = ("fail", "skip")
-EPOCH_TTL_S = 24 * 3600.0   # the engine's job idle TTL (pipeline.stream.Jobs): a forgotten job's name is free
+EPOCH_TTL_S = 24 * 3600.0   # the engine's job idle TTL (pipeline.jobs.Jobs): a forgotten job's name is free
 WINDOW_BYTES = 64 << 20     # follow mode: the records a feeder process keeps for its ranks to share (shared.py)
 OPTIONS = ("mode", "bad_records", "vocab_size", "eos_id", "max_record_bytes", "spool", "group", "epoch_ttl_s",
            "window_bytes")

@@ -3,7 +3,7 @@ frozen when the job started. It is the dataset fingerprint of the epoch's snapsh
 travels in every cursor and is what the epoch register agrees on (pure: no Kafka client here)."""
 from __future__ import annotations
 
-from feeder.errors import FailedPrecondition
+from feeder.core.errors import FailedPrecondition
 
 
 def format_ranges(topic: str, spans: list[tuple[int, int, int]]) -> str:

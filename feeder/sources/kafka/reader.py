@@ -18,7 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
-from feeder.errors import DataLoss
+from feeder.core.errors import DataLoss
 from feeder.sources.kafka.codec import BadRecord, decode_record
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable, watermarks
 from feeder.sources.kafka.options import KafkaURL

@@ -32,7 +32,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from feeder.errors import FailedPrecondition, Unavailable
+from feeder.core.errors import FailedPrecondition, Unavailable
 from feeder.sources.kafka.consumer import close_soon, consumer_config, unavailable
 from feeder.sources.kafka.ranges import parse_ranges
 

@@ -29,7 +29,7 @@ from typing import Iterator
 
 import numpy as np
 
-from feeder.errors import DataLoss, FeederError, Unavailable
+from feeder.core.errors import DataLoss, FeederError, Unavailable
 from feeder.sources.kafka.codec import BadRecord
 from feeder.sources.kafka.consumer import close_soon, consumer_config, unavailable
 from feeder.sources.kafka.options import KafkaURL

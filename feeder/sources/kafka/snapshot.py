@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder import manifest as mf
-from feeder import preparing
-from feeder.errors import FailedPrecondition, WrongReplica
-from feeder.prep import ShardWriter
+from feeder.sources import manifest as mf
+from feeder.sources import preparing
+from feeder.core.errors import FailedPrecondition, WrongReplica
+from feeder.sources.shards import ShardWriter
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable
 from feeder.sources.kafka.once import Beat, build_once, lock_path
 from feeder.sources.kafka.options import KafkaURL

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder import manifest as mf
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, KafkaEpoch
-from feeder.errors import FailedPrecondition, InvalidArgument, WrongReplica
-from feeder.planning import StreamPlan
+from feeder.sources import manifest as mf
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, KafkaEpoch
+from feeder.core.errors import FailedPrecondition, InvalidArgument, WrongReplica
+from feeder.core.planning import StreamPlan
 from feeder.sources.kafka.codec import read_header
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, topic_id, watermarks
 from feeder.sources.kafka.follow import FollowPlan

@@ -10,15 +10,15 @@ import logging
 
 import numpy as np
 
-from feeder import tokenizer
-from feeder.config import PublishConfig
-from feeder.errors import InvalidArgument, Unavailable
-from feeder.prep import input_kind, tokenized
-from feeder.progress import Progress
+from feeder.ops import tokenizer
+from feeder.core.config import PublishConfig
+from feeder.core.errors import InvalidArgument, Unavailable
+from feeder.ops.prep import input_kind, tokenized
+from feeder.core.progress import Progress
 from feeder.sources.kafka.codec import encode_record
 from feeder.sources.kafka.options import KafkaURL
 
-log = logging.getLogger("feeder.publish")
+log = logging.getLogger("feeder.ops.publish")
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from feeder.errors import FailedPrecondition
+from feeder.core.errors import FailedPrecondition
 
 try:
     from feeder import _shuffle as _c

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from feeder import order
+from feeder.core import order
 
 
 def n_samples(n_tokens: int, seq_len: int) -> int:

@@ -8,9 +8,14 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from feeder.errors import InvalidArgument
-from feeder.layout import PACKINGS
-from feeder.order import KINDS
+from feeder.core.errors import InvalidArgument
+from feeder.core.layout import PACKINGS
+from feeder.core.order import KINDS
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 COMPRESSIONS = ("none", "zstd")
 BAD_RECORD_POLICIES = ("", "skip", "fail")
@@ -26,7 +31,7 @@ INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
 MAX_SOURCES = 256    # sources in one mixture
 # A mixture's positions per epoch: 3.5·10^13 (10^17 tokens at 4096 a sample). Each position's source is
-# computed alone (feeder/mixture.py coupling), whose float margin stays small up to ~2^46.
+# computed alone (feeder/core/blend.py coupling), whose float margin stays small up to ~2^46.
 MAX_EPOCH_SAMPLES = 2**45
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 SHOWN_CHARS = 64
@@ -338,7 +343,7 @@ class ServeConfig:
         if not isinstance(self.peers, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p) for p in self.peers):
             raise InvalidArgument(f"peers must be (region, HOST:PORT) pairs, got {shown(self.peers)}")
-        from feeder.net import is_loopback
+        from feeder.core.net import is_loopback
 
         for what, address in (("listen", self.listen), ("metrics_listen", self.metrics_listen)):
             if address and not self.tls_cert and not self.insecure and not is_loopback(address.rpartition(":")[0]):
@@ -412,3 +417,13 @@ class PublishConfig:
             raise InvalidArgument(f"--key must be 'index' (or left out for round-robin), got {shown(self.key)}")
         _non_negative("workers", self.workers)
         _positive("batch_docs", self.batch_docs)
+
+
+def load_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise InvalidArgument(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgument(f"{path} is not valid TOML: {e}") from None

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from feeder.errors import DataLoss, NotFound
+from feeder.core.errors import DataLoss, NotFound
 
 FORMAT = "feeder-shards/1"
 NAME = "manifest.json"

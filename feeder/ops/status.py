@@ -7,8 +7,8 @@ import time
 
 import grpc
 
-from feeder.errors import Code, FeederError, NotFound, Unavailable
-from feeder.security import ClientSecurity, explain
+from feeder.core.errors import Code, FeederError, NotFound, Unavailable
+from feeder.service.security import ClientSecurity, explain
 
 PLAIN = ClientSecurity()
 

@@ -10,12 +10,8 @@ from __future__ import annotations
 import os
 import re
 
-from feeder.errors import InvalidArgument
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
+from feeder.core.config import load_toml
+from feeder.core.errors import InvalidArgument
 
 # [section] key -> ServeConfig field. "" is the top level.
 LAYOUT: dict[str, dict[str, str]] = {
@@ -33,16 +29,6 @@ LAYOUT: dict[str, dict[str, str]] = {
 PATHS = {"source", "cursor_secret_file", "ledger", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tokens_file",
          "cache_dir"}
 _VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
-
-
-def load_toml(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise InvalidArgument(f"cannot read {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise InvalidArgument(f"{path} is not valid TOML: {e}") from None
 
 
 def _expand(value: str, where: str, base: str) -> str:

@@ -11,8 +11,8 @@ import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from feeder.errors import InputError
-from feeder.sampler import per_rank
+from feeder.core.errors import InputError
+from feeder.core.sampler import per_rank
 
 
 @dataclass

@@ -12,11 +12,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from feeder import preparing
-from feeder.errors import Unavailable
-from feeder.pipeline.stream import READ_BUCKETS
+from feeder.sources import preparing
+from feeder.core.errors import Unavailable
+from feeder.pipeline.jobs import READ_BUCKETS
 
-log = logging.getLogger("feeder.metrics")
+log = logging.getLogger("feeder.service.metrics")
 
 RANK = ("job", "rank")
 
@@ -154,7 +154,7 @@ class EngineCollector:
 def requiring_token(app, tokens):
     """The WSGI app behind a bearer token with `metrics = true` in the tokens file: /metrics
     lists every job's progress and rates, which Status shows only to a token of that job."""
-    from feeder.security import bearer
+    from feeder.service.security import bearer
 
     def refuse(start_response, status: str, why: str):
         start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
@@ -191,7 +191,7 @@ def start_metrics(engine, loop: asyncio.AbstractEventLoop, listen: str,
     from prometheus_client import CollectorRegistry, make_wsgi_app
     from prometheus_client.exposition import ThreadingWSGIServer
 
-    from feeder.security import ReloadingSSLContext
+    from feeder.service.security import ReloadingSSLContext
 
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"

@@ -2,16 +2,16 @@
 
 Pure (no I/O). Three things derive from it, so a field added here reaches all three:
   * the job key: what every rank of one job must share, or a feeder refuses the rank
-    (pipeline.stream.Jobs);
+    (pipeline.jobs.Jobs);
   * what a cursor records (feeder.cursor.Cursor has these fields; tests/test_core.py checks);
   * the mismatch message when a cursor does not fit the stream it is sent with
     (planning.StreamPlan, and Kafka's follow plan).
 """
 from __future__ import annotations
 
-from feeder.config import StreamSpec
-from feeder.errors import FailedPrecondition
-from feeder.layout import PACKED_PREFIX
+from feeder.core.config import StreamSpec
+from feeder.core.errors import FailedPrecondition
+from feeder.core.layout import PACKED_PREFIX
 
 # The epoch's order and its samples (with the dataset's fingerprint). `permutation` as the plan
 # agreed it (feeder.order.agreed): "" wherever the torch releases' orders are the same.

@@ -2,7 +2,7 @@
 
 No threads, no I/O: the arithmetic of where a stream starts (fresh, resumed, or re-dealt
 to another world size) and which ids each batch holds. It sits below both `feeder.sources`
-and `feeder.pipeline` (which re-exports it as `feeder.pipeline.plan`) because every source
+and `feeder.pipeline` (which re-exports it as `feeder.core.planning`) because every source
 makes the plans of its streams (`Source.plan`) and must not import the pipeline that consumes them.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ import dataclasses
 
 import numpy as np
 
-from feeder import order, sampler
-from feeder.config import StreamSpec
-from feeder.cursor import Cursor, Position
-from feeder.errors import FailedPrecondition
-from feeder.sampling_key import cursor_mismatch
+from feeder.core import order, sampler
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor, Position
+from feeder.core.errors import FailedPrecondition
+from feeder.core.sampling_key import cursor_mismatch
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from feeder.config import named_sources
+from feeder.core.config import named_sources
 
 # serve flag -> ServeConfig field. Flags default to None so that a region file (--config)
 # fills what the command line leaves out, and the command line wins where both speak.
@@ -22,12 +22,12 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
 
 
 def serve_config(args):
-    from feeder.config import ServeConfig
-    from feeder.errors import InvalidArgument
+    from feeder.core.config import ServeConfig
+    from feeder.core.errors import InvalidArgument
 
     values: dict = {}
     if args.config:
-        from feeder.regions import load_region
+        from feeder.ops.regions import load_region
 
         values = load_region(args.config)
     if isinstance(values.get("source"), list):   # a region file's list of NAME=DATASET
@@ -58,7 +58,7 @@ def serve_config(args):
         raise InvalidArgument("serve needs a dataset: --source DIR|kafka://... (or NAME=DIR|URL, repeated) or a "
                               "--config region file with source = ...")
     cfg = ServeConfig(**values)
-    from feeder.order_store import orders_directory
+    from feeder.domain.order_store import orders_directory
 
     orders_directory(cfg.cache)   # before the sources open (their warnings would precede the one line)
     if args.metrics_port is not None:
@@ -70,14 +70,14 @@ def serve_config(args):
 
 
 def cmd_serve(args) -> int:
-    from feeder import logs
-    from feeder.malloc import keep_freed_memory
+    from feeder.ops import logs
+    from feeder.core.malloc import keep_freed_memory
     from feeder.service.server import new_loop, serve_forever
 
     cfg = serve_config(args)
     logs.setup(cfg.log_format, process=cfg.process_index if cfg.sibling_dir else None)
     if cfg.processes > 1:
-        from feeder.supervise import supervise
+        from feeder.ops.supervise import supervise
 
         return supervise(cfg, args.argv)
 

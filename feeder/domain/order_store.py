@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from feeder import order
-from feeder.errors import FailedPrecondition, InvalidArgument
-from feeder.sampler import OrderPending
+from feeder.core import order
+from feeder.core.errors import FailedPrecondition, InvalidArgument
+from feeder.core.sampler import OrderPending
 
 log = logging.getLogger("feeder.orders")
 

@@ -12,21 +12,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from feeder import __version__, preparing
-from feeder import mixture as blending
+from feeder import __version__
+from feeder.sources import preparing
+from feeder.core import blend as blending
 from feeder.sources import packed
-from feeder.config import ServeConfig, StreamSpec
-from feeder.cursor import Cursor, Mixture
-from feeder.errors import InvalidArgument, NotFound, Unavailable
-from feeder.order_store import OrderStore
+from feeder.core.config import ServeConfig, StreamSpec
+from feeder.core.cursor import Cursor, Mixture
+from feeder.core.errors import InvalidArgument, NotFound, Unavailable
+from feeder.domain.order_store import OrderStore
 from feeder.pipeline.batcher import Block
-from feeder.pipeline.stream import Job, Jobs, RankState, RankStream
-from feeder.siblings import Siblings
+from feeder.pipeline.jobs import Job, Jobs, RankState
+from feeder.pipeline.stream import RankStream
+from feeder.domain.siblings import Siblings
 from feeder.sources import Source
 from feeder.sources.mixture import MixtureSource
-from feeder.process_status import JobStatus, ProcessStatus, RankStatus
+from feeder.domain.process_status import JobStatus, ProcessStatus, RankStatus
 
-log = logging.getLogger("feeder.engine")
+log = logging.getLogger("feeder.domain.engine")
 
 
 class Engine:

@@ -10,7 +10,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from feeder.errors import InvalidArgument
+from feeder.core.errors import InvalidArgument
 
 
 def _x509():

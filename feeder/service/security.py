@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from feeder.errors import Code, FeederError, InvalidArgument
+from feeder.core.errors import Code, FeederError, InvalidArgument
 
-log = logging.getLogger("feeder.security")
+log = logging.getLogger("feeder.service.security")
 
 ALL_JOBS = "*"
 # Methods a token must name the job of; Info (dataset facts) needs only a valid token, and
@@ -182,7 +182,7 @@ class TokenStore:
         self.watch = FileWatch([path])
 
     def _load(self) -> dict[str, Grant]:
-        from feeder.regions import load_toml
+        from feeder.core.config import load_toml
 
         data = load_toml(self.path)
         entries = data.get("token", [])

@@ -26,9 +26,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from feeder import sampler
-from feeder.cursor import Mixture
-from feeder.errors import FailedPrecondition
+from feeder.core import sampler
+from feeder.core.cursor import Mixture
+from feeder.core.errors import FailedPrecondition
 
 try:
     from feeder._native import blend as _native_blend

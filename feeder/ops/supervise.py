@@ -5,7 +5,7 @@ One feeder process is bound by its GIL (grpc.aio sends under it; README, Perform
 host with more cores serves more with more processes. They share the port through
 SO_REUSEPORT, the kernel hands each new connection to one of them, and a rank's cursor
 resumes it on whichever it lands on next. The processes leave their status for each other
-(feeder/siblings.py), so `feeder status` on the port shows every rank. Each serves metrics
+(feeder/domain/siblings.py), so `feeder status` on the port shows every rank. Each serves metrics
 on a port of its own (the configured one plus its index), and writes its own ledger
 (LEDGER.0, LEDGER.1, ...: `feeder audit` takes them all).
 
@@ -25,10 +25,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from feeder.config import ServeConfig
-from feeder.errors import FeederError
+from feeder.core.config import ServeConfig
+from feeder.core.errors import FeederError
 
-log = logging.getLogger("feeder.supervise")
+log = logging.getLogger("feeder.ops.supervise")
 READY = "listening on "
 
 

@@ -19,8 +19,8 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-from feeder.errors import FailedPrecondition
-from feeder.order import KINDS
+from feeder.core.errors import FailedPrecondition
+from feeder.core.order import KINDS
 
 try:
     from feeder._native import cursors as _native_cursors   # the same bytes, ~4x faster

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.errors import InputError
+from feeder.core.errors import InputError
 
 BYTE_EOS = 256
 BYTE_VOCAB = 257

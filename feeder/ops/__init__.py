@@ -1,0 +1,1 @@
+"""Operations: the `feeder` subcommands' bodies, processes, regions, certificates, prep and publish."""

@@ -46,6 +46,15 @@ class FeederDataset(IterableDataset):
             feeder builds it once per epoch (O(n), ahead of need, shared). "stateless": a seeded
             random-access bijection of the epoch (O(1), instant at any size), a new one per epoch;
             not torch's order. docs/scale.md, "Choosing an order".
+        member, members: model parallelism (docs/model-parallel.md). rank and world_size are the
+            data-parallel rank and size; `members` processes consume this rank (its tensor-
+            parallel ranks, its first and last pipeline stages), this one number `member`. Each
+            receives the same batches; the feeder builds them once for all.
+            feeder_client.parallel.feeder_ranks derives all of these from a framework's mesh.
+        cp_rank, cp_size, cp_layout: context parallelism: this process receives only its
+            positions of each sample (batch.input_ids, batch.labels, batch.position_ids,
+            batch.loss_mask: [n, seq_len / cp_size]); "zigzag" (Megatron's split for ring
+            attention: chunks c and 2C-1-c of 2C) or "contiguous" (chunk c of C: Ulysses).
         boundaries, packing: document-aware samples (docs/packing.md). boundaries=True: each batch
             also has `position_ids`, `cu_seqlens` and `loss_mask` (and `boundaries`, what
             feeder_client.packing turns into each stack's inputs). packing="best_fit": a sample is
@@ -80,7 +89,8 @@ class FeederDataset(IterableDataset):
                  failback_s: float = 60.0, pin_memory: bool | None = None,
                  keep_freed_memory: bool = True, mixture: Mapping[str, float] | Sequence | None = None,
                  epoch_samples: int = 0, remix: bool = False, permutation: str = "torch",
-                 connect_timeout_s: float = 30.0, boundaries: bool = False, packing: str = "concat"):
+                 connect_timeout_s: float = 30.0, boundaries: bool = False, packing: str = "concat",
+                 member: int = 0, members: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_layout: str = "zigzag"):
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -93,7 +103,8 @@ class FeederDataset(IterableDataset):
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
                                bad_records=bad_records, client_started_ns=process_started_ns(),
                                mixture=mixture_pairs(mixture), remix=remix, permutation=permutation,
-                               boundaries=boundaries, packing=packing,
+                               boundaries=boundaries, packing=packing, member=member, members=members,
+                               cp_rank=cp_rank, cp_size=cp_size, cp_layout=cp_layout,
                                epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__")
                                and not isinstance(epoch_samples, bool) else epoch_samples)
         self.targets = tuple(targets)

@@ -9,6 +9,7 @@ import google_crc32c
 import numpy as np
 import torch
 
+from feeder.core import context
 from feeder.core.errors import Code, FeederError
 from feeder.core.layout import Bounds, cu_seqlens, position_ids, segment_starts
 from feeder.v1 import feeder_pb2 as pb
@@ -47,6 +48,12 @@ class FeederBatch:
     # read, in the loop that reads them: the stream's reader thread, which every batch passes,
     # does no work per token for them. None without boundaries.
     boundary_bytes: bytes | None = None
+    # A context-parallel member's (FeederDataset(cp_size=C > 1)): (seq_len, cp_size, cp_rank,
+    # cp_layout). `tokens` then holds only the member's windows of each sample (feeder.core.context):
+    # one window of seq_len/C + 1 tokens (contiguous) or two of seq_len/2C + 1 (zigzag), one after
+    # the other; input_ids, labels, position_ids and loss_mask are at its positions of the sample.
+    # None: the whole sample.
+    cp: tuple[int, int, int, str] | None = None
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -56,41 +63,84 @@ class FeederBatch:
         (DATA_LOSS) when the bytes that came are not this batch's boundaries."""
         got = self._derived.get("boundaries")
         if got is None and self.boundary_bytes is not None:
-            n, sample_len = self.tokens.shape
+            n, sample_len = len(self.tokens), self.seq_len + 1   # (the whole sample's, also under context parallelism)
             try:
                 got = self._derived["boundaries"] = Bounds.from_bytes(self.boundary_bytes, n, sample_len)
             except ValueError as e:
                 raise FeederError(f"batch epoch {self.epoch} step {self.step}: {e}", code=Code.DATA_LOSS) from None
         return got
 
+    @property
+    def seq_len(self) -> int:
+        return self.cp[0] if self.cp is not None else self.tokens.shape[1] - 1
+
     def _made(self, name: str) -> torch.Tensor | None:
         got = self._derived.get(name)
         if got is None and self.boundary_bytes is not None:
-            b, seq_len = self.boundaries, self.tokens.shape[1] - 1
+            b, seq_len = self.boundaries, self.seq_len
             cuts = segment_starts(b, seq_len)
-            self._derived.update(
-                position_ids=torch.from_numpy(position_ids(b, seq_len, cuts)),
-                cu_seqlens=torch.from_numpy(cu_seqlens(b, seq_len, cuts)),
-                loss_mask=torch.from_numpy((np.arange(1, seq_len + 1, dtype=np.int32) < b.lengths[:, None])
-                                           .astype(np.float32)))
+            made = dict(position_ids=position_ids(b, seq_len, cuts), cu_seqlens=cu_seqlens(b, seq_len, cuts),
+                        loss_mask=(np.arange(1, seq_len + 1, dtype=np.int32) < b.lengths[:, None]).astype(np.float32))
+            if self.cp is not None:   # this member's positions of the whole sample's
+                at = self._positions()
+                made["position_ids"] = np.ascontiguousarray(made["position_ids"][:, at])
+                made["loss_mask"] = np.ascontiguousarray(made["loss_mask"][:, at])
+            self._derived.update((k, torch.from_numpy(v)) for k, v in made.items())
             got = self._derived[name]
         return got
+
+    def _positions(self) -> np.ndarray:
+        seq_len, size, rank, layout = self.cp
+        return context.positions(seq_len, size, rank, layout)
 
     @property
     def position_ids(self) -> torch.Tensor | None:
         """int64 [n, seq_len] over the inputs tokens[:, :-1], restarting at each document
-        (Megatron's reset_position_ids)."""
+        (Megatron's reset_position_ids); None without boundaries. A context-parallel member's:
+        [n, seq_len / cp_size] at its positions, and never None (0..seq_len-1 there without
+        boundaries)."""
+        if self.cp is not None and self.boundary_bytes is None:
+            got = self._derived.get("position_ids")
+            if got is None:
+                got = self._derived["position_ids"] = \
+                    torch.from_numpy(self._positions()).expand(len(self.tokens), -1).contiguous()
+            return got
         return self._made("position_ids")
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:
-        """int32: FlashAttention's varlen offsets of the documents over the flattened n·seq_len inputs."""
+        """int32: FlashAttention's varlen offsets of the documents over the flattened n·seq_len
+        inputs (the whole sample's, also for a context-parallel member)."""
         return self._made("cu_seqlens")
 
     @property
     def loss_mask(self) -> torch.Tensor | None:
-        """float32 [n, seq_len]: 0 where the label tokens[:, 1:] is a bin's padding."""
+        """float32 [n, seq_len]: 0 where the label tokens[:, 1:] is a bin's padding (a
+        context-parallel member's: at its positions)."""
         return self._made("loss_mask")
+
+    def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._derived.get("split")
+        if got is None:
+            if self.cp is None:
+                got = (self.tokens[:, :-1], self.tokens[:, 1:])
+            else:
+                k = 2 if self.cp[3] == "zigzag" and self.cp[1] > 1 else 1
+                win = self.tokens.reshape(len(self.tokens), k, -1)
+                got = (win[:, :, :-1].reshape(len(self.tokens), -1), win[:, :, 1:].reshape(len(self.tokens), -1))
+            self._derived["split"] = got
+        return got
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """int64 [n, seq_len] (a context-parallel member's: [n, seq_len / cp_size], the sample's
+        inputs at its positions): tokens[:, :-1] of the whole sample."""
+        return self._split()[0]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """int64, as input_ids: the next token of each input (tokens[:, 1:] of the whole sample)."""
+        return self._split()[1]
 
 
 def pinned(n: int, sample_len: int) -> torch.Tensor:
@@ -105,7 +155,7 @@ def pinned(n: int, sample_len: int) -> torch.Tensor:
 
 def decode(b: pb.Batch, region: str = "",
            alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None,
-           boundaries: bytes | None = None) -> FeederBatch:
+           boundaries: bytes | None = None, cp: tuple[int, int, int, str] | None = None) -> FeederBatch:
     """One batch's tensors; FeederError(DATA_LOSS) when the batch is corrupt.
 
     The tokens are widened from the reply into their int64 tensor in one pass: into a fresh
@@ -135,5 +185,14 @@ def decode(b: pb.Batch, region: str = "",
             raise FeederError(f"batch epoch {b.epoch} step {b.step} names the sources of {len(sources) // 8} "
                               f"samples, expected {b.n}", code=Code.DATA_LOSS)
         src = torch.from_numpy(np.frombuffer(sources, dtype="<i8").astype(np.int64))
+    if cp is not None and b.sample_len != cp_row(*cp):
+        raise FeederError(f"batch epoch {b.epoch} step {b.step} has samples of {b.sample_len} tokens, expected a "
+                          f"context-parallel member's {cp_row(*cp)} (seq_len {cp[0]}, cp_size {cp[1]}, cp_layout "
+                          f"{cp[3]!r}): a feeder release without context parallelism?", code=Code.FAILED_PRECONDITION)
     return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region,
-                       sources=src, boundary_bytes=boundaries)
+                       sources=src, boundary_bytes=boundaries, cp=cp)
+
+
+def cp_row(seq_len: int, cp_size: int, cp_rank: int, layout: str) -> int:
+    """The tokens per sample a context-parallel member receives (its windows)."""
+    return sum(n for _, n in context.windows(seq_len, cp_size, cp_rank, layout))

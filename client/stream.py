@@ -405,9 +405,11 @@ class FeederClient:
                 raise FeederError(f"the feeder sent {len(bounds)} batches' boundaries for {len(reply.batches)} batches "
                                   "of a stream that asked for them (a feeder release without boundaries?)",
                                   code=Code.FAILED_PRECONDITION)
+            s = self.cfg.spec
+            cp = (s.seq_len, s.cp_size, s.cp_rank, s.cp_layout) if s.cp_size > 1 else None
             for j, b in enumerate(reply.batches):
                 run.append(decode(b, reply.region, self._alloc, sources[j] if sources else None,
-                                  bounds[j] if bounds else None))
+                                  bounds[j] if bounds else None, cp))
                 if len(run) >= size:
                     if not self._hand(run):
                         return False

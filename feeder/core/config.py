@@ -8,6 +8,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from feeder.core.context import LAYOUTS, divisibility
 from feeder.core.errors import InvalidArgument
 from feeder.core.layout import PACKINGS
 from feeder.core.order import KINDS
@@ -21,6 +22,8 @@ COMPRESSIONS = ("none", "zstd")
 BAD_RECORD_POLICIES = ("", "skip", "fail")
 MAX_SEQ_LEN = 1 << 20
 MAX_MICRO_BATCH = 1 << 16
+MAX_MEMBERS = 1 << 16    # processes of one data-parallel rank
+MAX_CP = 1 << 10
 
 
 # What the wire (protos/feeder/v1/feeder.proto) can carry: a value beyond these fails when the
@@ -169,6 +172,16 @@ class StreamSpec:
     # documents start (packed batches always do).
     packing: str = "concat"
     boundaries: bool = False
+    # Model parallelism (docs/model-parallel.md). `rank`/`world_size` stay data-parallel: the
+    # DistributedSampler deal is over them only. `members` processes consume one rank (its
+    # tensor-parallel ranks, its first and last pipeline stages), each the same batches bit for
+    # bit; each is its own slot (fenced, failed over and resumed on its own). A context-parallel
+    # member (cp_rank of cp_size) receives only its positions of each sample (feeder.core.context).
+    member: int = 0
+    members: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_layout: str = "zigzag"
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -211,6 +224,19 @@ class StreamSpec:
         if not _integer(self.worker_phase) or not 0 <= self.worker_phase < self.num_workers:
             raise InvalidArgument(
                 f"worker_phase must be in [0, num_workers={self.num_workers}), got {shown(self.worker_phase)}")
+        _positive("members", self.members, upper=MAX_MEMBERS)
+        if not _integer(self.member) or not 0 <= self.member < self.members:
+            raise InvalidArgument(f"member must be in [0, members={self.members}) (the index of this process among "
+                                  f"those that consume data-parallel rank {self.rank}), got {shown(self.member)}")
+        _positive("cp_size", self.cp_size, upper=MAX_CP)
+        if not _integer(self.cp_rank) or not 0 <= self.cp_rank < self.cp_size:
+            raise InvalidArgument(f"cp_rank must be in [0, cp_size={self.cp_size}), got {shown(self.cp_rank)}")
+        if self.cp_layout not in LAYOUTS:
+            raise InvalidArgument(f"cp_layout must be zigzag (Megatron's ring attention) or contiguous (Ulysses), "
+                                  f"got {shown(self.cp_layout)}")
+        why = divisibility(self.seq_len, self.cp_size, self.cp_layout)
+        if why:
+            raise InvalidArgument(why)
 
     @property
     def end_epoch(self) -> int:
@@ -250,6 +276,14 @@ class ServeConfig:
     # Per-stream prefetch: at most this many messages and bytes wait in the queue.
     prefetch_messages: int = 8
     prefetch_bytes: int = 32 << 20
+    # The members of a model-parallel rank share one window of its messages, built once: the
+    # newest this many bytes of them (a member further behind reads on its own).
+    member_window_bytes: int = 64 << 20
+
+    @property
+    def window_bytes(self) -> int:
+        """A rank's window holds at least the fastest member's prefetch and one message more."""
+        return max(self.member_window_bytes, self.prefetch_bytes + 2 * self.message_bytes)
     # Several micro-batches are packed into one message up to this size: Python gRPC
     # moves far more bytes/s with ~1 MiB messages than with small ones.
     message_bytes: int = 1 << 20
@@ -317,6 +351,7 @@ class ServeConfig:
             raise InvalidArgument(f"listen must be HOST:PORT, got {shown(self.listen)}")
         _positive("prefetch_messages", self.prefetch_messages)
         _positive("prefetch_bytes", self.prefetch_bytes)
+        _positive("member_window_bytes", self.member_window_bytes)
         _positive("message_bytes", self.message_bytes, upper=64 << 20)
         _compression("default_compression", self.default_compression, self.default_level)
         _positive("threads", self.threads, upper=256)

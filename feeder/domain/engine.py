@@ -22,6 +22,7 @@ from feeder.core.errors import InvalidArgument, NotFound, Unavailable
 from feeder.domain.order_store import OrderStore
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.jobs import Job, Jobs, RankState
+from feeder.pipeline.members import Member, Window, share_key
 from feeder.pipeline.stream import RankStream
 from feeder.domain.siblings import Siblings
 from feeder.sources import Source
@@ -125,7 +126,9 @@ class Engine:
         stream.state.peer = peer
         stream.state.last_error = ""
         stream.state.failovers += failover
-        if self.ledger:
+        if spec.members > 1:
+            await self._join_members(stream, src, cursor)
+        if self.ledger and spec.member == 0 and spec.cp_rank == 0:   # a rank's samples once, whoever sends them
             opened = {"open": spec.job, "region": self.cfg.region, "n": plan.n, "world": spec.world_size,
                       "rank": spec.rank, "seed": spec.seed, "shuffle": spec.shuffle, "drop_last": spec.drop_last,
                       "fingerprint": plan.fingerprint}
@@ -139,9 +142,39 @@ class Engine:
         self.on_change()
         return stream
 
+    async def _join_members(self, stream: RankStream, src: Source, cursor: bytes) -> None:
+        """A member of a model-parallel rank takes its messages from the rank's window (built
+        once for all its members), made here with a plan of its own if the rank has none."""
+        spec = stream.spec
+        job = self.jobs.get(spec.job)
+        key = share_key(spec)
+
+        async def replan(at: bytes):
+            s = spec if at == cursor or spec.num_workers == 1 else \
+                dataclasses.replace(spec, worker_phase=(spec.worker_index + 1) % spec.num_workers)
+            decoded = Cursor.decode(at, self.cfg.cursor_secret) if at else None
+            return await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, s, decoded)
+
+        window = job.windows.get(key)
+        if window is None:
+            plan = await replan(cursor)
+            window = job.windows.get(key)
+            if window is None:
+                window = job.windows[key] = Window(key, spec, plan, cursor, self.cfg, self.pool, self.serialize,
+                                                   on_empty=lambda w: job.windows.pop(w.key, None)
+                                                   if job.windows.get(w.key) is w else None)
+                window.state = stream.state
+            else:
+                plan.close()   # another member made it meanwhile
+        if stream._finished:   # replaced while the window's plan was made
+            return
+        stream.member = Member(stream, window, cursor, replan)
+        stream.state.members[(spec.cp_rank, spec.member)] = stream.member
+
     def delivered(self, stream: RankStream, block: Block) -> None:
-        """Visitation ledger: (job, epoch, world, rank, step, ids) per batch about to be handed to gRPC."""
-        if self.ledger:
+        """Visitation ledger: (job, epoch, world, rank, step, ids) per batch about to be handed to
+        gRPC; a model-parallel rank's by its member 0 (context-parallel rank 0) only."""
+        if self.ledger and stream.spec.member == 0 and stream.spec.cp_rank == 0:
             s = stream.spec
             bounds = block.bounds()
             lines = []
@@ -160,6 +193,8 @@ class Engine:
     def close_stream(self, stream: RankStream, reason: str) -> None:
         self.jobs.detach(stream.spec, stream)
         st = stream.state
+        if st is not None and st.members.get((stream.spec.cp_rank, stream.spec.member)) is stream.member:
+            st.members.pop((stream.spec.cp_rank, stream.spec.member), None)
         if st is not None and reason not in ("finished", "cancelled by client"):
             st.last_error = reason
         if st is not None and not st.connected:
@@ -190,9 +225,9 @@ class Engine:
             st.took(position)
             if st.state != was:   # ("all sent" -> "finished": the siblings' view must not lag it)
                 self.on_change()
-            stream = j.streams.get((rank, 0))
+            stream = j.streams.get((rank, 0, 0, 0))
             if stream is not None:
-                stream.plan.taken(position[1])
+                stream.live_plan.taken(position[1])
         if batches and step_s > 0:
             st.taken_rate = batches * st.micro_batch * (st.seq_len + 1) / step_s
 

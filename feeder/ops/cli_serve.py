@@ -11,7 +11,7 @@ from feeder.core.config import named_sources
 # fills what the command line leaves out, and the command line wins where both speak.
 SERVE_FLAGS = {"listen": "listen", "region": "region",
                "prefetch_messages": "prefetch_messages", "prefetch_bytes": "prefetch_bytes",
-               "message_bytes": "message_bytes", "compression": "default_compression",
+               "member_window_bytes": "member_window_bytes", "message_bytes": "message_bytes", "compression": "default_compression",
                "compression_level": "default_level", "threads": "threads", "grace": "grace_s",
                "vocab_size": "vocab_size", "eos_id": "eos_id", "log_format": "log_format", "ledger": "ledger",
                "tls_cert": "tls_cert", "tls_key": "tls_key", "tls_client_ca": "tls_client_ca",
@@ -115,6 +115,9 @@ def add_serve(sub) -> None:
     s.add_argument("--peers", help="the other regions' feeders, told to clients by Info: REGION=HOST:PORT,...")
     s.add_argument("--prefetch-messages", type=int, help="messages queued ahead per stream (default 8)")
     s.add_argument("--prefetch-bytes", type=int, help="bytes queued ahead per stream (default 32 MiB)")
+    s.add_argument("--member-window-bytes", type=int,
+                   help="bytes of a model-parallel rank's messages kept for its members (default 64 MiB; "
+                        "docs/model-parallel.md)")
     s.add_argument("--message-bytes", type=int, help="target size of one stream message (default 1 MiB)")
     s.add_argument("--compression", choices=["zstd", "none"],
                    help="for streams that do not choose (default zstd; remote ranks always get zstd)")

@@ -22,6 +22,7 @@ LAYOUT: dict[str, dict[str, str]] = {
     "tls": {"cert": "tls_cert", "key": "tls_key", "client_ca": "tls_client_ca", "ca": "tls_ca"},
     "auth": {"tokens_file": "tokens_file"},
     "stream": {"prefetch_messages": "prefetch_messages", "prefetch_bytes": "prefetch_bytes",
+               "member_window_bytes": "member_window_bytes",
                "message_bytes": "message_bytes", "compression": "default_compression",
                "compression_level": "default_level", "threads": "threads", "remote_rtt_ms": "remote_rtt_ms"},
     "metrics": {"listen": "metrics_listen"},

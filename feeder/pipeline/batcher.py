@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from feeder.core import context
 from feeder.core.cursor import CursorWriter
 from feeder.core.layout import Bounds
 from feeder.core.planning import PlannedRun
@@ -85,12 +86,17 @@ def _zstd(level: int) -> pa.Codec:
 
 def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
            samples_in_epoch: int, read_s: float, dtype: np.dtype, sources: np.ndarray | None = None,
-           positions: np.ndarray | None = None, boundaries: Bounds | None = None) -> Block:
+           positions: np.ndarray | None = None, boundaries: Bounds | None = None,
+           windows: list[tuple[int, int]] | None = None) -> Block:
     tokens, payloads = None, None
     sample_len = rows.n
-    raw_bytes = len(rows) * sample_len * dtype.itemsize
-    if compression != "none":   # (uncompressed, the reply writer cuts the rows into the reply)
+    if windows is not None:   # a context-parallel member's windows of each sample (feeder.core.context)
+        tokens, rows = context.take(rows.gather(dtype), windows), None
+        sample_len = tokens.shape[1]
+    raw_bytes = len(ids) * sample_len * dtype.itemsize
+    if compression != "none" and tokens is None:   # (uncompressed, the reply writer cuts the rows into the reply)
         tokens, rows = rows.gather(dtype), None
+    if compression != "none":
         if compression == "zstd":
             codec, at = _zstd(level), 0
             payloads = []
@@ -106,9 +112,11 @@ def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str,
 
 
 def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
-                    cursors: CursorWriter) -> Block:
+                    cursors: CursorWriter, windows: list[tuple[int, int]] | None = None) -> Block:
     """Consecutive runs of one stream as a Block: their rows located (or the tokens the plan
-    read, for runs that carry them: a plan's runs all do or all do not) in one pass."""
+    read, for runs that carry them: a plan's runs all do or all do not) in one pass. `windows`:
+    a context-parallel member's (offset, length) windows of each sample, the only tokens it gets
+    (ids, cursors and boundaries stay the whole sample's)."""
     ids = runs[0].ids if len(runs) == 1 else np.concatenate([r.ids for r in runs])
     sources = positions = None
     if runs[0].sources is not None:   # a mixture: ids are within each sample's source
@@ -145,4 +153,4 @@ def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compres
     return _block(rows, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
                   steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
                   samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=plan.dtype, sources=sources,
-                  positions=positions, boundaries=bounds)
+                  positions=positions, boundaries=bounds, windows=windows)

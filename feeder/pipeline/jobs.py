@@ -1,7 +1,7 @@
 """The job registry: which jobs stream here, their ranks' state, and who holds each slot.
 
 A job is its parameters (the sampling key every rank must share) and its open streams, one per
-slot (rank, DataLoader worker). The registry decides who may open a slot (the newest stream of
+slot (rank, DataLoader worker, context-parallel rank, member: `slot`). The registry decides who may open a slot (the newest stream of
 a slot wins, a replaced trainer process may not take its slot back: `fence`, `hold`) and keeps
 what status and metrics show of each rank (RankState). Event-loop only: no locks, no I/O.
 """
@@ -67,6 +67,12 @@ class RankState:
     kafka_lag: dict[int, int] = field(default_factory=dict)   # partition -> records behind the end
     mixture: tuple[str, ...] = ()    # a mixture's source names, in its order
     source_samples: dict[str, int] = field(default_factory=dict)   # samples sent from each
+    # A model-parallel rank's open members, by (context-parallel rank, member): where each is
+    # in the rank's stream and whether it reads the shared window (pipeline/members.py).
+    members: dict[tuple[int, int], object] = field(default_factory=dict)
+    window_builds: int = 0       # messages built once into the rank's windows for its members
+    member_shared: int = 0       # messages members sent from a window
+    member_solo: int = 0         # messages members built on their own (behind, or resumed elsewhere)
     rate_tokens: float = 0.0     # tokens/s, smoothed
     _rate_t: float = field(default_factory=time.monotonic)
     _rate_tokens: int = 0
@@ -133,7 +139,10 @@ class Job:
     key: tuple          # the parameters every rank of the job must share
     world_size: int
     ranks: dict[int, RankState] = field(default_factory=dict)
-    streams: dict[tuple[int, int], Stream] = field(default_factory=dict)
+    streams: dict[tuple[int, int, int, int], Stream] = field(default_factory=dict)
+    # A model-parallel rank's shared windows of messages, by what their members receive
+    # (pipeline/members.py: share_key).
+    windows: dict[tuple, object] = field(default_factory=dict)
     idle_since: float | None = None   # monotonic time its last stream closed
     # (rank, worker) -> the start time of the trainer process holding it, and those of the
     # processes it replaced here: see fence(). Kept when streams close: that is when a replaced
@@ -189,7 +198,7 @@ class Jobs:
             j = self.jobs[spec.job] = Job(job=spec.job, key=key, world_size=spec.world_size,
                                           dataset=spec.dataset or "+".join(n for n, _ in spec.mixture),
                                           **fenced)
-        slot = (spec.rank, spec.worker_index)
+        slot = slot_of(spec)
         hold(j, slot, spec)
         old = j.streams.get(slot)
         if old is not None:
@@ -208,10 +217,10 @@ class Jobs:
         j = self.jobs.get(spec.job)
         if j is None:
             return
-        slot = (spec.rank, spec.worker_index)
+        slot = slot_of(spec)
         if j.streams.get(slot) is stream:
             del j.streams[slot]
-        if not any(r == spec.rank for r, _ in j.streams):
+        if not any(r == spec.rank for r, *_ in j.streams):
             j.ranks[spec.rank].connected = False
             j.ranks[spec.rank].queue_depth = 0   # its queue went with its stream
         if not j.streams:
@@ -242,7 +251,7 @@ def fence(job: Job, spec: StreamSpec) -> None:
         its first stream on the other process).
     0 (an older client) is neither fenced nor recorded. Across hosts the time order needs
     clocks that agree far better than a restart takes (NTP: milliseconds)."""
-    t, slot = spec.client_started_ns, (spec.rank, spec.worker_index)
+    t, slot = spec.client_started_ns, slot_of(spec)
     holder = job.holders.get(slot, 0)
     if not (spec.continued and t and holder) or t == holder:
         return
@@ -253,12 +262,27 @@ def fence(job: Job, spec: StreamSpec) -> None:
     else:
         return
     raise FailedPrecondition(
-        f"stream of job {spec.job!r} rank {spec.rank} (worker {spec.worker_index}) continues a stream of a trainer "
+        f"stream of job {spec.job!r} rank {spec.rank} ({_slot_name(spec)}) continues a stream of a trainer "
         f"process that no longer holds this rank: {why} (a restarted trainer took the rank over), so this one "
         "may not take it back")
 
 
-def hold(job: Job, slot: tuple[int, int], spec: StreamSpec) -> None:
+def slot_of(spec: StreamSpec) -> tuple[int, int, int, int]:
+    """What one stream holds: (rank, DataLoader worker, context-parallel rank, member). Each
+    member of a model-parallel rank is fenced, replaced and resumed on its own."""
+    return spec.rank, spec.worker_index, spec.cp_rank, spec.member
+
+
+def _slot_name(spec: StreamSpec) -> str:
+    parts = [f"worker {spec.worker_index}"]
+    if spec.cp_size > 1:
+        parts.append(f"context-parallel rank {spec.cp_rank}")
+    if spec.members > 1:
+        parts.append(f"member {spec.member}")
+    return ", ".join(parts)
+
+
+def hold(job: Job, slot: tuple, spec: StreamSpec) -> None:
     """Record an accepted stream's process as the slot's holder (see fence)."""
     t = spec.client_started_ns
     if not t:

@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Iterator
 
+from feeder.core import context
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.cursor import CursorWriter
 from feeder.core.errors import FailedPrecondition, FeederError
@@ -28,27 +29,19 @@ MAX_BATCHES_PER_MESSAGE = 256
 # While a plan waits on something being built (Plan.waiting), the producer looks again every
 # WAITING_POLL_S and tells the rank every WAITING_EVERY_S (well inside its idle timeout).
 WAITING = object()
+UNTIL = object()   # a message would start at its `until`: nothing comes before it
 WAITING_POLL_S = 0.2
 WAITING_EVERY_S = 1.0
 
 
-class RankStream:
-    def __init__(self, spec: StreamSpec, plan: Plan, cfg: ServeConfig, pool: ThreadPoolExecutor,
-                 serialize: Callable[[Block], bytes]):
-        self.spec, self.plan, self.cfg = spec, plan, cfg
-        # A plan that blocks on its source (tailing Kafka) brings a thread of its own, so it
-        # never holds the shared pool's threads away from other streams.
-        self.pool = plan.executor or pool
-        self.serialize = serialize   # a message's wire bytes, built here on the pool threads
-        self.state: RankState | None = None
-        # The prefetch queue: messages built ahead, bounded in count and bytes.
-        self._items: deque = deque()
-        self._bytes = 0
-        self._changed = asyncio.Event()
-        self._end: BaseException | None = None   # set once: what ends the stream after the queue drains
-        self._finished = False
+class Producer:
+    """Builds one stream's messages from its plan: runs taken up to a message's budget, read,
+    encoded and framed (on the pool threads). A RankStream has one; so does a Window, which
+    builds a data-parallel rank's messages once for all its members."""
+
+    def __init__(self, spec: StreamSpec, plan: Plan, cfg: ServeConfig, serialize: Callable[[Block], bytes]):
+        self.spec, self.plan, self.cfg, self.serialize = spec, plan, cfg, serialize
         self._deferred: FeederError | None = None
-        self._producer: asyncio.Task | None = None
         self._cap = 1                # batches allowed in the next message (doubles up to the maximum)
         self._raw_batch_bytes = spec.micro_batch * (spec.seq_len + 1) * plan.dtype.itemsize
         # The stream is taken in runs: planned, read and framed a block at a time. A DataLoader
@@ -56,29 +49,10 @@ class RankStream:
         self._runs = self._selected() if spec.num_workers > 1 else plan.runs(MAX_BATCHES_PER_MESSAGE)
         self._rest: PlannedRun | None = None   # the part of a run the last message had no room for
         self._cursors = CursorWriter(plan.cursor_template(), cfg.cursor_secret)
-
-    def supersede(self) -> None:
-        """A newer stream of the same rank took over: end this one with a clear reason."""
-        self.end(FailedPrecondition(f"stream of job {self.spec.job!r} rank {self.spec.rank} was replaced by a "
-                                    "newer stream of the same rank"))
-
-    def end(self, error: FeederError) -> None:
-        """Drop what is queued and end the stream with `error` (its cursor lets the peer resume).
-
-        The error wins even over a producer that already finished: the messages it queued are
-        dropped here, so ending with OK would tell the peer a truncated stream was complete."""
-        if self._producer is not None:
-            self._producer.cancel()
-        self._items.clear()
-        self._bytes = 0
-        self._finish(error)
-        self._end = error
-
-    def _finish(self, error: BaseException | None) -> None:
-        if not self._finished:
-            self._finished, self._end = True, error
-            self.plan.close()   # a plan blocked on its source (Kafka follow) lets its thread go
-        self._changed.set()
+        # A context-parallel member's windows of each sample (None: the whole sample).
+        self._windows = None if spec.cp_size == 1 else \
+            context.windows(spec.seq_len, spec.cp_size, spec.cp_rank, spec.cp_layout)
+        self.finished = False        # set by the owner: stop taking runs (the plan may be closed)
 
     def _selected(self) -> Iterator[PlannedRun | Pending]:
         """A DataLoader worker's share: batch k (counting from the cursor) is worker k mod W's.
@@ -93,8 +67,9 @@ class RankStream:
                 yield run.one(j)
             k += len(run)
 
-    def _take(self, want: int) -> list[PlannedRun]:
-        """Up to `want` batches, as runs; fewer when the plan ends or has nothing ready (PENDING)."""
+    def _take(self, want: int, until: tuple[int, int] | None = None) -> list[PlannedRun]:
+        """Up to `want` batches, as runs; fewer when the plan ends or has nothing ready (PENDING),
+        or at the first batch at or past (epoch, step) `until` (left for the next message)."""
         out, got = [], 0
         while got < want:
             try:
@@ -107,9 +82,19 @@ class RankStream:
             if run is None:
                 break
             if run is PENDING:  # nothing ready (a tailed topic, an order being built): send what is taken
-                if out or self._finished or self.plan.waiting:
+                if out or self.finished or self.plan.waiting:
                     break
                 continue
+            if until is not None:
+                before = _before(run, until)
+                if before < len(run):   # `until` is in this run: the message ends before it
+                    k = min(before, want - got)
+                    if k == 0:
+                        self._rest = run
+                    else:
+                        run, self._rest = run.split(k)
+                        out.append(run)
+                    break
             if len(run) > want - got:
                 run, self._rest = run.split(want - got)
             out.append(run)
@@ -119,7 +104,7 @@ class RankStream:
     def _block(self, runs: list[PlannedRun]) -> Block:
         s = self.spec
         return block_from_runs(self.plan, runs, seq_len=s.seq_len, compression=s.compression,
-                               level=s.compression_level, cursors=self._cursors)
+                               level=s.compression_level, cursors=self._cursors, windows=self._windows)
 
     def _singles(self, runs: list[PlannedRun]) -> Iterator[list[PlannedRun]]:
         """The runs as one-batch pieces, in order."""
@@ -127,8 +112,11 @@ class RankStream:
             for j in range(len(run)):
                 yield [run.one(j)]
 
-    def _build_message(self) -> tuple[Block, bytes] | None:
-        """Runs on a pool thread: the next message's batches, read, encoded and framed."""
+    def build(self, until: tuple[int, int] | None = None) -> tuple[Block, bytes] | None:
+        """Runs on a pool thread: the next message's batches, read, encoded and framed; WAITING
+        while the plan waits on something being built; None at the plan's end. `until`: the
+        message ends before the batch at (epoch, step) `until` (a member catching up with its
+        rank's window ends its message where one of the window's begins)."""
         if self._deferred is not None:
             raise self._deferred
         # Slow start: message k holds at most 2**k batches (the first one batch: time to first
@@ -136,8 +124,10 @@ class RankStream:
         # megabyte; then messages fill up to message_bytes of tokens, but never with so many
         # small batches that one message takes long to build.
         want = max(1, min(self._cap, -(-self.cfg.message_bytes // self._raw_batch_bytes)))
-        items = self._take(want)
+        items = self._take(want, until)
         if not items:
+            if self._rest is not None:   # stopped at `until` with nothing before it
+                return UNTIL
             return WAITING if self.plan.waiting else None
         try:
             block = self._block(items)
@@ -158,6 +148,72 @@ class RankStream:
         t0 = time.perf_counter()
         wire = self.serialize(block)
         return block.framed(time.perf_counter() - t0 if block.rows is not None else 0.0), wire
+
+
+def _before(run: PlannedRun, until: tuple[int, int]) -> int:
+    """How many of the run's batches come before (epoch, step) `until`."""
+    epoch, step = until
+    if run.epoch != epoch:
+        return len(run) if run.epoch < epoch else 0
+    return max(0, min(len(run), step - run.step))
+
+
+class RankStream:
+    def __init__(self, spec: StreamSpec, plan: Plan, cfg: ServeConfig, pool: ThreadPoolExecutor,
+                 serialize: Callable[[Block], bytes]):
+        self.spec, self.plan, self.cfg = spec, plan, cfg
+        # A plan that blocks on its source (tailing Kafka) brings a thread of its own, so it
+        # never holds the shared pool's threads away from other streams.
+        self.pool = plan.executor or pool
+        self.serialize = serialize   # a message's wire bytes, built here on the pool threads
+        self.state: RankState | None = None
+        # The prefetch queue: messages built ahead, bounded in count and bytes.
+        self._items: deque = deque()
+        self._bytes = 0
+        self._changed = asyncio.Event()
+        self._end: BaseException | None = None   # set once: what ends the stream after the queue drains
+        self._finished = False
+        self._producer: asyncio.Task | None = None
+        self._build = Producer(spec, plan, cfg, serialize)
+        # A member of a model-parallel rank (spec.members > 1) takes its messages from the
+        # rank's Window while it is within it (pipeline/members.py).
+        self.member = None
+
+    def supersede(self) -> None:
+        """A newer stream of the same slot took over: end this one with a clear reason."""
+        s = self.spec
+        hint = ("" if s.members > 1 else
+                f". If several processes consume data-parallel rank {s.rank} (its tensor-parallel ranks, its "
+                "pipeline stages), give each member=k and members=K (FeederDataset(..., member=k, members=K), "
+                "k = 0..K-1); they then all receive the same batches")
+        who = f"member {s.member} of " if s.members > 1 else ""
+        cp = f" context-parallel rank {s.cp_rank}" if s.cp_size > 1 else ""
+        self.end(FailedPrecondition(f"stream of job {s.job!r} {who}rank {s.rank}{cp} was replaced by a newer "
+                                    f"stream of the same {who}rank{hint}"))
+
+    def end(self, error: FeederError) -> None:
+        """Drop what is queued and end the stream with `error` (its cursor lets the peer resume).
+
+        The error wins even over a producer that already finished: the messages it queued are
+        dropped here, so ending with OK would tell the peer a truncated stream was complete."""
+        if self._producer is not None:
+            self._producer.cancel()
+        self._items.clear()
+        self._bytes = 0
+        self._finish(error)
+        self._end = error
+
+    def _finish(self, error: BaseException | None) -> None:
+        if not self._finished:
+            self._finished, self._end = True, error
+            self._build.finished = True
+            self.plan.close()   # a plan blocked on its source (Kafka follow) lets its thread go
+            if self.member is not None:
+                self.member.leave()
+        self._changed.set()
+
+    def _build_message(self) -> tuple[Block, bytes] | None:
+        return self._build.build()
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
@@ -201,7 +257,36 @@ class RankStream:
             log.exception("stream %s rank %d: producer failed", self.spec.job, self.spec.rank)
             self._finish(e)
 
+    def _note(self, block: Block) -> None:
+        """What status shows of the rank, from a message about to be sent."""
+        st = self.state
+        if st is None:
+            return
+        st.bad_records = self.live_plan.bad_records
+        st.kafka_lag = dict(self.live_plan.lag)
+        per = block.samples_in_epoch
+        st.epoch, st.samples_in_epoch = int(block.epochs[-1]), per
+        st.samples_done = min(per, (int(block.steps[-1]) + 1) * self.spec.micro_batch)
+        last = (int(block.epochs[-1]), int(block.steps[-1]))
+        st.last_sent = last if st.last_sent is None else max(st.last_sent, last)
+        st.queue_depth = len(self._items)
+
+    @property
+    def live_plan(self) -> Plan:
+        """The plan this stream's batches come from now (a member's rank window's, while in it)."""
+        m = self.member
+        return m.window.plan if m is not None and m.joined else self.plan
+
     async def messages(self) -> AsyncIterator[tuple[Block, bytes]]:
+        if self.member is not None:   # a member of a model-parallel rank (pipeline/members.py)
+            try:
+                async for block, wire in self.member.messages():
+                    if block is not None:
+                        self._note(block)
+                    yield block, wire
+            finally:
+                self._finish(None)
+            return
         self._producer = asyncio.create_task(self._produce())
         try:
             while True:
@@ -215,19 +300,10 @@ class RankStream:
                 (block, wire), size = self._items.popleft()
                 self._bytes -= size
                 self._changed.set()
-                st = self.state
                 if block is None:   # waiting: `wire` says on what
                     yield block, wire
                     continue
-                if st is not None:
-                    st.bad_records = self.plan.bad_records
-                    st.kafka_lag = dict(self.plan.lag)
-                    per = block.samples_in_epoch
-                    st.epoch, st.samples_in_epoch = int(block.epochs[-1]), per
-                    st.samples_done = min(per, (int(block.steps[-1]) + 1) * self.spec.micro_batch)
-                    last = (int(block.epochs[-1]), int(block.steps[-1]))
-                    st.last_sent = last if st.last_sent is None else max(st.last_sent, last)
-                    st.queue_depth = len(self._items)
+                self._note(block)
                 yield block, wire
         finally:
             self._finish(None)

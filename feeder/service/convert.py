@@ -102,7 +102,8 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       client_started_ns=r.client_started_ns, continued=r.continued,
                       mixture=tuple((m.source, m.weight) for m in r.mixture), epoch_samples=r.epoch_samples,
                       remix=r.remix, permutation=r.permutation, packing=r.packing or "concat",
-                      boundaries=r.boundaries)
+                      boundaries=r.boundaries, member=r.member, members=max(1, r.members), cp_rank=r.cp_rank,
+                      cp_size=max(1, r.cp_size), cp_layout=r.cp_layout or "zigzag")
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
@@ -127,7 +128,8 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         continued=s.continued if continued is None else continued,
         mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
         remix=s.remix, permutation=s.permutation if permutation is None else permutation,
-        packing="" if s.packing == "concat" else s.packing, boundaries=s.boundaries)
+        packing="" if s.packing == "concat" else s.packing, boundaries=s.boundaries, member=s.member,
+        members=s.members, cp_rank=s.cp_rank, cp_size=s.cp_size, cp_layout=s.cp_layout)
 
 
 def waiting_reply(region: str, waiting: str) -> bytes:

@@ -1,9 +1,9 @@
 """A rank's stream as runs of planned batches: ids and the cursor after each.
 
 No threads, no I/O: the arithmetic of where a stream starts (fresh, resumed, or re-dealt
-to another world size) and which ids each batch holds. It sits below both `feeder.sources`
-and `feeder.pipeline` (which re-exports it as `feeder.core.planning`) because every source
-makes the plans of its streams (`Source.plan`) and must not import the pipeline that consumes them.
+to another world size) and which ids each batch holds. It sits in the core, below both
+`feeder.sources` and `feeder.pipeline`, because every source makes the plans of its streams
+(`Source.plan`) and must not import the pipeline that consumes them.
 """
 from __future__ import annotations
 

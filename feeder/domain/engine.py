@@ -29,7 +29,7 @@ from feeder.sources import Source
 from feeder.sources.mixture import MixtureSource
 from feeder.domain.process_status import JobStatus, ProcessStatus, RankStatus
 
-log = logging.getLogger("feeder.domain.engine")
+log = logging.getLogger("feeder.engine")
 
 
 class Engine:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-log = logging.getLogger("feeder.domain.scrub")
+log = logging.getLogger("feeder.scrub")
 
 # Rest between passes: a small dataset is not re-hashed in a tight loop.
 REST_S = 1.0

@@ -18,7 +18,7 @@ from feeder.core.progress import Progress
 from feeder.sources.kafka.codec import encode_record
 from feeder.sources.kafka.options import KafkaURL
 
-log = logging.getLogger("feeder.ops.publish")
+log = logging.getLogger("feeder.publish")
 
 
 def ensure_topic(bootstrap: str, topic: str, partitions: int) -> int:

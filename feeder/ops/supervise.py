@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from feeder.core.config import ServeConfig
 from feeder.core.errors import FeederError
 
-log = logging.getLogger("feeder.ops.supervise")
+log = logging.getLogger("feeder.supervise")
 READY = "listening on "
 
 

@@ -16,7 +16,7 @@ from feeder.sources import preparing
 from feeder.core.errors import Unavailable
 from feeder.pipeline.jobs import READ_BUCKETS
 
-log = logging.getLogger("feeder.service.metrics")
+log = logging.getLogger("feeder.metrics")
 
 RANK = ("job", "rank")
 

@@ -20,7 +20,7 @@ import grpc
 
 from feeder.core.errors import Code, FeederError, InvalidArgument
 
-log = logging.getLogger("feeder.service.security")
+log = logging.getLogger("feeder.security")
 
 ALL_JOBS = "*"
 # Methods a token must name the job of; Info (dataset facts) needs only a valid token, and

@@ -27,7 +27,7 @@ from feeder.pipeline.stream import RankStream
 from feeder.domain.siblings import Siblings
 from feeder.sources import Source
 from feeder.sources.mixture import MixtureSource
-from feeder.domain.process_status import JobStatus, ProcessStatus, RankStatus
+from feeder.domain.process_status import JobStatus, MemberStatus, ProcessStatus, RankStatus
 
 log = logging.getLogger("feeder.engine")
 
@@ -265,7 +265,19 @@ def _rank_status(r, region: str) -> RankStatus:
                       last_error=r.last_error, peer=r.peer, restarts=max(0, r.streams_opened - 1),
                       failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
                       state=r.state, samples_sent=r.samples_done, reported=r.consumed is not None,
-                      sent_epoch=r.epoch)
+                      sent_epoch=r.epoch, members=member_status(r), window_builds=r.window_builds,
+                      member_shared=r.member_shared, member_solo=r.member_solo)
+
+
+def member_status(r) -> tuple[MemberStatus, ...]:
+    """A model-parallel rank's open members, each with how far behind the furthest it is."""
+    seen = [(key, m.position or (0, -1), m.joined) for key, m in sorted(r.members.items())]
+    if not seen:
+        return ()
+    ahead = max(pos for _, pos, _ in seen)
+    return tuple(MemberStatus(member=member, cp_rank=cp, epoch=pos[0], step=max(0, pos[1]), shared=joined,
+                              behind=ahead[1] - pos[1] if pos[0] == ahead[0] else 0)
+                 for (cp, member), pos, joined in seen)
 
 
 # Threads that make plans (Source.plan may block: a Kafka epoch's snapshot is built once while

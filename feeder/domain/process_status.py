@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class MemberStatus:
+    """One member of a model-parallel rank: where its stream is, and whether it reads the
+    rank's shared window."""
+    member: int
+    cp_rank: int
+    epoch: int
+    step: int
+    shared: bool
+    behind: int      # batches behind the member furthest ahead (same epoch)
+
+
+@dataclass(frozen=True, slots=True)
 class RankStatus:
     rank: int
     connected: bool
@@ -30,6 +42,10 @@ class RankStatus:
     samples_sent: int = 0        # of sent_epoch: runs ahead of what the loop took
     reported: bool = False       # samples_done (what the loop took) is known from its reports
     sent_epoch: int = 0
+    members: tuple[MemberStatus, ...] = ()
+    window_builds: int = 0
+    member_shared: int = 0
+    member_solo: int = 0
 
 
 @dataclass(frozen=True, slots=True)

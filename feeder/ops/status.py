@@ -52,6 +52,8 @@ def render(reply, target: str):
                       f"{r.tokens_per_s:,.0f}", str(r.queue_depth), f"{100 * r.data_wait_fraction:.1f}%",
                       f"{r.bytes_sent / 2**20:.1f} MiB", str(r.restarts), str(r.failovers), str(r.bad_records),
                       r.last_error[:60])
+            if r.members:   # a model-parallel rank: its members, and which lag
+                t.add_row("", "", "", "", _members(r), *[""] * 11)
     if not reply.jobs:
         t.caption = "no jobs yet"
     if reply.packings:    # best-fit packings served: documents cut, padding, how long they took
@@ -59,6 +61,14 @@ def render(reply, target: str):
     if reply.preparing:   # streams wait for these before their first batch
         t.caption = "\n".join(["preparing: " + p for p in reply.preparing] + ([t.caption] if t.caption else []))
     return t
+
+
+def _members(r) -> str:
+    """A model-parallel rank's members: how many, how its messages were built, who lags."""
+    lag = [f"{'cp' + str(m.cp_rank) + '.' if m.cp_rank else ''}m{m.member} {m.behind} behind"
+           + ("" if m.shared else " (own reads)") for m in r.members if m.behind or not m.shared]
+    return (f"└ {len(r.members)} members, {r.window_builds} messages built once, {r.member_solo} alone"
+            + (": " + ", ".join(lag) if lag else ""))
 
 
 def _taken(r) -> str:

@@ -148,7 +148,9 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:
-            js.ranks.add(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)})
+            rs = js.ranks.add(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "members"})
+            for m in r.members:
+                rs.members.add(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)})
     return reply
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from feeder.sources import preparing
 from feeder.core.errors import Unavailable
+from feeder.domain.engine import member_status
 from feeder.pipeline.jobs import READ_BUCKETS
 
 log = logging.getLogger("feeder.metrics")
@@ -47,6 +48,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_source_samples_total": ("counter", "Samples sent from each source of the rank's mixture",
                                     ("job", "rank", "source")),
     "feeder_bad_records_total": ("counter", "Kafka records skipped under bad_records=skip", RANK),
+    "feeder_rank_members": ("gauge", "Open members of a model-parallel rank (docs/model-parallel.md)", RANK),
+    "feeder_member_messages_total": ("counter", "A model-parallel rank's messages: built once into its window "
+                                     "(built), sent from it to a member (shared), built by a member on its own "
+                                     "(alone: behind the window, or resumed elsewhere)", ("job", "rank", "how")),
+    "feeder_member_behind_batches": ("gauge", "Batches the rank's slowest member is behind its fastest", RANK),
     "feeder_kafka_lag_records": ("gauge", "Records between the rank's reader and the partition's end (follow)",
                                  ("job", "rank", "partition")),
     "feeder_preparing_done_ratio": ("gauge", "Share done of what streams wait for before their first batch "
@@ -83,7 +89,9 @@ class EngineCollector:
         rows = []
         for j in list(self.engine.jobs.jobs.values()):
             for r in list(j.ranks.values()):
-                rows.append(_RankRow(j.job, str(r.rank), copy.copy(r)))
+                row = copy.copy(r)
+                row.member_status = member_status(r)   # (read on the loop: members move there)
+                rows.append(_RankRow(j.job, str(r.rank), row))
         return rows
 
     async def _on_loop(self):
@@ -128,6 +136,11 @@ class EngineCollector:
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cum))
             fam["feeder_source_read_seconds"].add_metric(lab, buckets, st.read_s)
             fam["feeder_bad_records_total"].add_metric(lab, st.bad_records)
+            if st.window_builds or st.member_solo or st.members:
+                fam["feeder_rank_members"].add_metric(lab, len(st.members))
+                for how, n in (("built", st.window_builds), ("shared", st.member_shared), ("alone", st.member_solo)):
+                    fam["feeder_member_messages_total"].add_metric([*lab, how], n)
+                fam["feeder_member_behind_batches"].add_metric(lab, max((m.behind for m in st.member_status), default=0))
             for name, n in sorted(st.source_samples.items()):
                 fam["feeder_source_samples_total"].add_metric([*lab, name], n)
             for part, lag in sorted(st.kafka_lag.items()):

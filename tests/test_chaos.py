@@ -51,6 +51,21 @@ def test_coverage_seeds_cover_every_fault_kind_and_worker_mode():
     kafka = [Scenario.from_seed(s) for s in (1043, 861)]      # and two more, with the broker (issue 26)
     assert any(sc.kafka and sc.mixture and len(sc.kafka) < len(sc.mixture) for sc in kafka)
     assert {sc.packing for sc in scs} == {"concat", "best_fit"}                  # both sample layouts (issue 27)
+    # model-parallel ranks: members, and context-parallel slices beside them (issue 33)
+    assert any(sc.members > 1 and sc.cp_size > 1 for sc in scs) and any(sc.members == 1 for sc in scs)
+
+
+def test_model_parallel_scenarios_are_a_share_with_both_layouts():
+    from tests.chaos.scenario import CP_SHARE, MEMBERS_SHARE
+
+    scs = [Scenario.from_seed(s) for s in range(3000)]
+    possible = [sc for sc in scs if sc.n_docs != 40000 and sc.world * (sc.workers + 1) <= 6]
+    mp = [sc for sc in scs if sc.members > 1]
+    assert abs(len(mp) / len(possible) - MEMBERS_SHARE) < 0.04
+    cp = [sc for sc in mp if sc.cp_size > 1]
+    assert abs(len(cp) / len(mp) - CP_SHARE) < 0.1
+    assert {sc.cp_layout for sc in cp} == {"zigzag", "contiguous"} and {sc.cp_size for sc in cp} == {2, 4}
+    assert {sc.members for sc in mp} == {2, 3} and any(sc.workers for sc in mp) and any(sc.mixture for sc in mp)
 
 
 def test_kafka_scenarios_are_mixtures_for_a_share_of_them():

@@ -22,11 +22,14 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", help="only these fault kinds (comma-separated)")
     p.add_argument("--keep", action="store_true", help="keep every scenario's work directory")
     p.add_argument("--print", action="store_true", help="print the scenario(s) and run nothing")
+    p.add_argument("--model-parallel", action="store_true",
+                   help="only scenarios whose ranks have members (issue 33): --seeds N of them from --start on")
+    p.add_argument("--seed-list", help=argparse.SUPPRESS)   # (a slice of a parallel run)
     p.add_argument("--jobs", type=int, default=1,
                    help="run the seeds in this many processes at once (a scenario spends most of its time "
                         "waiting on slow links and timers, not on the cores)")
     args = p.parse_args(argv)
-    if (args.seed is None) == (args.seeds is None):
+    if (args.seed is None) == (args.seeds is None) and not args.seed_list:
         p.error("give --seed N or --seeds N")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tests.chaos import FAULT_KINDS, Scenario, run_scenario
@@ -34,11 +37,20 @@ def main(argv=None) -> int:
     kinds = tuple(args.kinds.split(",")) if args.kinds else None
     if kinds and set(kinds) - set(FAULT_KINDS):
         p.error(f"unknown fault kinds {sorted(set(kinds) - set(FAULT_KINDS))}; known: {', '.join(FAULT_KINDS)}")
-    if args.seed is not None:
+    if args.seed_list:
+        seeds = [int(x) for x in args.seed_list.split(",")]
+    elif args.seed is not None:
         seeds = [args.seed]
     else:
         start = args.start if args.start is not None else random.SystemRandom().randrange(1_000_000)
-        seeds = list(range(start, start + args.seeds))
+        if args.model_parallel:
+            seeds, s = [], start
+            while len(seeds) < args.seeds:
+                if Scenario.from_seed(s, kinds).members > 1:
+                    seeds.append(s)
+                s += 1
+        else:
+            seeds = list(range(start, start + args.seeds))
     if args.jobs > 1 and len(seeds) > 1 and not args.print:
         return _parallel(args, seeds)
     t0 = time.monotonic()
@@ -90,8 +102,7 @@ def _parallel(args, seeds: list[int]) -> int:
         if not chunk:
             continue
         out = tmp / f"part{j}.json"
-        cmd = [sys.executable, "-m", "tests.chaos", "--seeds", str(len(chunk)), "--start", str(chunk[0]),
-               "--json", str(out)] + (["--kinds", args.kinds] if args.kinds else []) + (["--keep"] if args.keep else [])
+        cmd = [sys.executable, "-m", "tests.chaos", "--seed-list", ",".join(map(str, chunk)), "--json", str(out)] + (["--kinds", args.kinds] if args.kinds else []) + (["--keep"] if args.keep else [])
         procs.append(subprocess.Popen(cmd))
         parts.append(out)
     for proc in procs:

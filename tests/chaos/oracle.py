@@ -309,7 +309,21 @@ class Oracle:
                         return ln["e"]
         return first.lines[-1]["e"] if first else 0
 
+    def check_members(self) -> None:
+        """Each rank's members and context-parallel slices got its stream (issue 33)."""
+        for inc in self.run.incs:
+            v = inc.members
+            if v is None:
+                continue
+            who = f"rank {inc.slot} (phase {inc.phase}, process {inc.out.name})"
+            if v["members"] != "ok":
+                self.fail(f"{who}: its members' batches are not its own: {v['bad']}")
+            for key, err in v["errors"].items():
+                if not err.startswith("FAILED_PRECONDITION"):   # (a newer process took the rank's slots over)
+                    self.fail(f"{who}: member {key} ended with {err}")
+
     def check(self) -> list[str]:
+        self.check_members()
         old = self.check_phase_one()
         if self.run.reshard is not None:
             self.check_phase_two(old)

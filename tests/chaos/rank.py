@@ -20,6 +20,9 @@ import time
 import traceback
 import warnings
 
+import threading
+
+import numpy as np
 import torch  # noqa: F401  (preloaded by the forkserver: ranks and their workers fork with it)
 from torch.utils.data import DataLoader
 
@@ -43,6 +46,89 @@ def _ends(msg: str) -> str:
     return msg if len(msg) <= 1200 else msg[:300] + " ... " + msg[-900:]
 
 
+class Shadows:
+    """A model-parallel rank's other members (issue 33), read in threads beside the main stream
+    (member 0): members 1..M-1 of the rank, and with cp_size C > 1 its C context-parallel
+    slices (each slot apart from the main's: member M of M + 1). Each reads the rank's stream
+    from the main's start cursor, through the same faults. At the end every shadow batch the
+    main also took must be the main's (members: the same ids and tokens; slices: reassembled to
+    the main's tokens), and each member's steps must follow one another without a gap."""
+
+    def __init__(self, cfg: dict, make):
+        self.cfg, self.stop = cfg, threading.Event()
+        self.got: dict = {}            # key -> [(epoch, step, ids, hash)] or, for a slice, {(e, s): (ids, in, lab)}
+        self.errors: dict = {}
+        self.sets: list = []
+        m, c = cfg.get("members", 1), cfg.get("cp_size", 1)
+        for k in range(1, m):
+            self.sets.append((("m", k), make(member=k, members=m)))
+        for r in range(c if c > 1 else 0):
+            self.sets.append((("cp", r), make(member=m, members=m + 1, cp_rank=r, cp_size=c,
+                                              cp_layout=cfg.get("cp_layout", "zigzag"))))
+        self.threads = [threading.Thread(target=self._read, args=(key, ds), daemon=True) for key, ds in self.sets]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, key, ds) -> None:
+        out = self.got.setdefault(key, [] if key[0] == "m" else {})
+        try:
+            for b in ds:
+                if key[0] == "m":
+                    out.append((b.epoch, b.step, b.sample_ids.tolist(), token_hash(b.tokens.numpy().tobytes())))
+                else:
+                    out[b.epoch, b.step] = (b.sample_ids.tolist(), b.input_ids.numpy(), b.labels.numpy())
+                if self.stop.is_set():
+                    return
+        except FeederError as e:
+            if not self.stop.is_set():
+                self.errors[key] = f"{e.code.name}: {_ends(str(e))}"
+        except Exception as e:  # noqa: BLE001
+            if not self.stop.is_set():
+                self.errors[key] = f"bug: {type(e).__name__}: {e}"
+
+    def close(self) -> None:
+        self.stop.set()
+        for _, ds in self.sets:
+            if ds.client is not None:
+                ds.client.close()
+        for t in self.threads:
+            t.join(10)
+
+    def verdict(self, main: dict) -> dict:
+        """main: (epoch, step) -> (ids, hash) of the main stream's batches."""
+        from feeder.core.context import positions
+
+        bad, compared = [], 0
+        for key, got in self.got.items():
+            if key[0] == "m":
+                for a, b in zip(got, got[1:]):
+                    if not (b[:2] == (a[0], a[1] + 1) or (b[0] == a[0] + 1 and b[1] == 0)):
+                        bad.append(f"member {key[1]}: batch (epoch {b[0]}, step {b[1]}) after ({a[0]}, {a[1]})")
+                for e, st, ids, h in got:
+                    if (e, st) in main:
+                        compared += 1
+                        if main[e, st] != (ids, h):
+                            bad.append(f"member {key[1]}: batch (epoch {e}, step {st}) differs from member 0's")
+        slices = {k[1]: v for k, v in self.got.items() if k[0] == "cp"}
+        size, seq = len(slices), self.cfg["seq_len"]
+        for (e, st) in set.intersection(*(set(v) for v in slices.values())) if slices else ():
+            if (e, st) not in main:
+                continue
+            ids0 = slices[0][e, st][0]
+            tokens = np.zeros((len(ids0), seq + 1), dtype=np.int64)
+            for r, v in slices.items():
+                ids, inp, lab = v[e, st]
+                at = positions(seq, size, r, self.cfg.get("cp_layout", "zigzag"))
+                tokens[:, at], tokens[:, at + 1] = inp, lab
+                if ids != ids0:
+                    bad.append(f"slice {r}: ids of (epoch {e}, step {st}) differ")
+            compared += 1
+            if (ids0, token_hash(tokens.tobytes())) != main[e, st]:
+                bad.append(f"slices of (epoch {e}, step {st}) do not reassemble to member 0's batch")
+        return {"members": "mismatch" if bad else "ok", "compared": compared, "bad": bad[:5],
+                "errors": self.errors}
+
+
 def rank_main(cfg: dict, conn) -> None:
     """cfg: plain values only (see runner.RankPlan.config). Exit 0: the stream ended or the
     rank took what it was asked to; 3: a FeederError (its code is in the last line); 4: a bug."""
@@ -54,17 +140,24 @@ def rank_main(cfg: dict, conn) -> None:
     _log_to(cfg["out"] + ".log")
     pos = cfg["start_pos"]
     try:
-        ds = FeederDataset(cfg["targets"], job=cfg["job"], rank=cfg["rank"], world_size=cfg["world"],
-                           seq_len=cfg["seq_len"], micro_batch=cfg["micro_batch"], seed=cfg["seed"],
-                           shuffle=cfg["shuffle"], drop_last=cfg["drop_last"], epoch=cfg["epoch"],
-                           num_epochs=cfg["num_epochs"],
-                           cursor=bytes.fromhex(cfg["cursor"]) if cfg["cursor"] else None, reshard=cfg["reshard"],
-                           compression=cfg["compression"],
-                           read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
-                           retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
-                           report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None,
-                           permutation=cfg.get("permutation", "torch"), epoch_samples=cfg.get("epoch_samples", 0),
-                           packing=cfg.get("packing", "concat"))
+        def make(**kw):
+            return FeederDataset(cfg["targets"], job=cfg["job"], rank=cfg["rank"], world_size=cfg["world"],
+                                 seq_len=cfg["seq_len"], micro_batch=cfg["micro_batch"], seed=cfg["seed"],
+                                 shuffle=cfg["shuffle"], drop_last=cfg["drop_last"], epoch=cfg["epoch"],
+                                 num_epochs=cfg["num_epochs"],
+                                 cursor=bytes.fromhex(cfg["cursor"]) if cfg["cursor"] else None,
+                                 reshard=cfg["reshard"], compression=cfg["compression"],
+                                 read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
+                                 retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
+                                 report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None,
+                                 permutation=cfg.get("permutation", "torch"),
+                                 epoch_samples=cfg.get("epoch_samples", 0), packing=cfg.get("packing", "concat"),
+                                 **kw)
+
+        members = cfg.get("members", 1)
+        ds = make(**(dict(member=0, members=members) if members > 1 else {}))
+        shadows = Shadows(cfg, make) if members > 1 or cfg.get("cp_size", 1) > 1 else None
+        taken: dict = {}
         workers = cfg["workers"]
         if workers and cfg["context"] == "forkserver":
             # The workers' forkserver imports torch and the client once; each worker is then a
@@ -86,6 +179,8 @@ def rank_main(cfg: dict, conn) -> None:
                 last_cursor = b.cursor.hex()
                 line = {"p": pos, "e": b.epoch, "s": b.step, "ids": b.sample_ids.tolist(),
                         "h": token_hash(b.tokens.numpy().tobytes()), "c": last_cursor}
+                if shadows is not None:
+                    taken[b.epoch, b.step] = (line["ids"], line["h"])
                 if b.sources is not None:
                     line["src"] = b.sources.tolist()
                 out.write(json.dumps(line) + "\n")
@@ -111,6 +206,9 @@ def rank_main(cfg: dict, conn) -> None:
                     time.sleep(step_s)
             if not passed:
                 break
+        if shadows is not None:
+            shadows.close()
+            out.write(json.dumps(shadows.verdict(taken)) + "\n")
         out.write(json.dumps({"end": "ok", "p": pos}) + "\n")
         code = 0
     except FeederError as e:

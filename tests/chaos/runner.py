@@ -333,6 +333,7 @@ class Incarnation:
     end: dict | None = None
     exitcode: int | None = None
     release: object = None        # superseded process to let go once this one streams
+    members: dict | None = None   # the model-parallel members' verdict (tests/chaos/rank.py Shadows)
 
     def parse(self) -> None:
         self.lines, self.ckpts, self.end, self.repasses = [], [], None, 0
@@ -349,6 +350,8 @@ class Incarnation:
                 self.repasses += 1
             elif "end" in rec:
                 self.end = rec
+            elif "members" in rec:
+                self.members = rec
             else:
                 self.lines.append(rec)
 
@@ -464,7 +467,8 @@ class ScenarioRun:
                    failback_s=sc.failback_s, workers=sc.workers, persistent=sc.persistent, context=sc.context,
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
                    mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation,
-                   epoch_samples=sc.epoch_samples, packing=sc.packing)
+                   epoch_samples=sc.epoch_samples, packing=sc.packing, members=sc.members, cp_size=sc.cp_size,
+                   cp_layout=sc.cp_layout)
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()

@@ -25,6 +25,10 @@ PACKING_SHARE = 0.25
 KAFKA_SHARE = 0.15
 # The share of unbounded, stateless mixtures on files whose epoch spans 10^9 positions or more.
 LARGE_SHARE = 0.5
+# The share whose ranks are model-parallel (issue 33): each has members that read its stream
+# beside it, and some have context-parallel slices too (tests/chaos/rank.py Shadows).
+MEMBERS_SHARE = 0.2
+CP_SHARE = 0.5   # of those
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,11 @@ class Scenario:
     # fixed seeds) the oracle computes each position on its own (the weights must then be
     # dyadic, tests/mixture_oracle.PeriodicBlend) and a world-size change is not checked.
     epoch_samples: int = 0
+    # Model parallelism (issue 33): members of each rank (1: none), and context-parallel slices
+    # read beside them (1: none), in this layout.
+    members: int = 1
+    cp_size: int = 1
+    cp_layout: str = "zigzag"
 
     @property
     def job(self) -> str:
@@ -105,7 +114,9 @@ class Scenario:
                 + (f" permutation={self.permutation}" if self.permutation != "torch" else "")
                 + (f" packing={self.packing}" if self.packing != "concat" else "")
                 + (f" kafka={','.join(map(str, self.kafka))}" if self.kafka else "")
-                + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else ""))
+                + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else "")
+                + (f" members={self.members}" if self.members > 1 else "")
+                + (f" cp={self.cp_size}:{self.cp_layout}" if self.cp_size > 1 else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -212,10 +223,18 @@ class Scenario:
             weights = rng.choice(((1.0, 1.0), (1.0, 3.0), (3.0, 1.0), (1.0, 7.0), (3.0, 5.0)) if len(mixture) == 2
                                  else ((1.0, 1.0, 2.0), (1.0, 2.0, 5.0), (4.0, 2.0, 2.0)))
             mixture = tuple((name, w, d) for (name, _, d), w in zip(mixture, weights))
+        # Model-parallel ranks (after everything else, likewise): members, and context-parallel
+        # slices, read beside each rank's own stream. Not with the large streams (megabytes per
+        # member) nor with many processes already.
+        members, cp_size, cp_layout = 1, 1, "zigzag"
+        if not large and world * (workers + 1) <= 6 and rng.random() < MEMBERS_SHARE:
+            members = rng.choice((2, 2, 3))
+            if rng.random() < CP_SHARE:
+                cp_size, cp_layout = rng.choice((2, 4)), rng.choice(("zigzag", "contiguous"))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
                         mixture=mixture, permutation=permutation, packing=packing, kafka=kafka,
-                        epoch_samples=epoch_samples)
+                        epoch_samples=epoch_samples, members=members, cp_size=cp_size, cp_layout=cp_layout)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

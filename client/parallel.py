@@ -81,7 +81,7 @@ def from_megatron(parallel_state) -> FeederRanks:
 # Names the frameworks give each dimension of a torch DeviceMesh.
 DIMS = {"dp": ("dp", "dp_replicate", "dp_shard", "data_parallel", "data"),
         "tp": ("tp", "tensor_parallel", "tensor"), "pp": ("pp", "pipeline_parallel", "pipe"),
-        "cp": ("cp", "context_parallel", "context")}
+        "cp": ("cp", "sp", "context_parallel", "context")}
 
 
 def from_device_mesh(mesh) -> FeederRanks:

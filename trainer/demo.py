@@ -10,8 +10,10 @@ weights, and the feed's throughput, stops everything.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,12 +31,48 @@ WORK = ROOT / "demo"
 PACKING_FLAGS = ["--packing", "best_fit", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 
 
+def pipeline(bin_dir: Path, address: str) -> int:
+    """Pipeline parallelism (docs/model-parallel.md): a DeepSpeed PipelineModule in 2 stages x 2
+    data-parallel replicas, 4 processes, the first and the last stage of each replica reading its
+    stream as its two members (the feeder builds each batch once for both)."""
+    print("== 5/5 pipeline parallelism: DeepSpeed PipelineModule, 2 stages x 2 data-parallel replicas (4 processes); "
+          "both stages of a replica read its stream as its members", flush=True)
+    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()),
+           str(Path(__file__).resolve().parent / "pipeline.py"), "--targets", address, "--job", "demo-pipeline",
+           "--pipeline", "2", "--steps", os.environ.get("DEMO_PIPELINE_STEPS", "30"), "--seq-len", "128",
+           "--micro-batch", "4", "--grad-accum", "2", "--log-ids", str(WORK / "pipeline-ids")]
+    shutil.rmtree(WORK / "pipeline-ids", ignore_errors=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=WORK)
+    losses = []
+    for out in proc.stdout:
+        if re.match(r"^(pipeline|done|error)", out) or re.match(r"^step +\d*[05] ", out):
+            print("   " + out.rstrip(), flush=True)
+        if out.startswith("step"):
+            losses.append(float(out.split("loss")[1].split()[0]))
+    rc = proc.wait()
+    if rc != 0:
+        print(f"pipeline training failed with exit code {rc}", file=sys.stderr)
+        return rc
+    # Both stages of each replica took the same micro-batches: the feeder gave them the same stream.
+    logs = [[json.loads(line) for line in f.read_text().splitlines()] for f in sorted((WORK / "pipeline-ids").glob("*"))]
+    by = {}
+    for log in logs:
+        for r in log:
+            by.setdefault(r["dp"], {}).setdefault(r["member"], []).append(r["ids"])
+    same = all(len(m) == 2 and m[0] == m[1] for m in by.values())
+    print(f"   pipeline took {time.monotonic() - t0:.0f}s; loss {losses[0]:.3f} -> {losses[-1]:.3f}; both stages of "
+          f"each replica got the same {len(next(iter(by.values()))[0])} micro-batches: {same}", flush=True)
+    shutil.rmtree(WORK / "pipeline-ids", ignore_errors=True)
+    return 0 if same and losses[-1] < losses[0] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     packing = "--packing" in (sys.argv[1:] if argv is None else argv)
     WORK.mkdir(exist_ok=True)
     bin_dir = Path(sys.executable).parent
     feeder = [sys.executable, "-m", "feeder.cli"]
-    print(f"== 1/4 corpora: Python {sys.version.split()[0]} standard library sources (code), and its docs and "
+    print(f"== 1/5 corpora: Python {sys.version.split()[0]} standard library sources (code), and its docs and "
           "docstrings (docs)",
           flush=True)
     corpora = {"code": lambda out: build_corpus(out, limit=8 << 20, suffixes=(".py",)),
@@ -42,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, build in corpora.items():
         n = build(WORK / f"{name}.jsonl")
         print(f"   {name}: {n / 1e6:.1f} MB of text in {WORK / (name + '.jsonl')}", flush=True)
-    print("== 2/4 feeder prep (byte tokenizer), one dataset per corpus", flush=True)
+    print("== 2/5 feeder prep (byte tokenizer), one dataset per corpus", flush=True)
     for name in corpora:
         subprocess.run([*feeder, "prep", str(WORK / f"{name}.jsonl"), "--out", str(WORK / f"shards-{name}"),
                         "--force", "--shard-tokens", str(4 << 20)], check=True)
-    print("== 3/4 feeder serve --source code=... --source docs=...", flush=True)
+    print("== 3/5 feeder serve --source code=... --source docs=...", flush=True)
     server = subprocess.Popen([*feeder, "serve", *[a for name in corpora for a in
                                                    ("--source", f"{name}={WORK / ('shards-' + name)}")],
                                "--listen", "127.0.0.1:0", "--region", "demo"],
@@ -59,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         address = m.group(1)
         print(f"   {line.strip()}", flush=True)
-        print("== 4/4 DeepSpeed training, 2 ranks (nccl on GPU, gloo on CPU), fed only by the feeder, on the "
+        print("== 4/5 DeepSpeed training, 2 ranks (nccl on GPU, gloo on CPU), fed only by the feeder, on the "
               "mixture code=0.7,docs=0.3 (loss per source: mean (samples) in the window)", flush=True)
         cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                str(Path(__file__).resolve().parent / "train.py"), "--targets", address, "--job", "demo", "--steps",
@@ -97,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             print("   samples trained on, per source: " + ", ".join(
                 f"{name} {n:,} ({100 * n / total:.1f}%)" for name, n in per_source.items())
                 + " for weights code 0.7, docs 0.3", flush=True)
+        if not packing:
+            rc = pipeline(bin_dir, address)
+            if rc:
+                return rc
     finally:
         server.send_signal(signal.SIGTERM)
         try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from feeder_client.parallel import from_accelerate
 from feeder_client import FeederBatch, FeederDataset
 
 from .common import DistributedFeederDataset, FeederIntegrationError, FeederLoader
@@ -53,11 +54,12 @@ def prepare_feeder(accelerator, dataset: FeederDataset, *, transform: Callable[[
         FeederIntegrationError: rank/world_size not the accelerator's.
     """
     spec = dataset.spec
-    if (spec.rank, spec.world_size) != (accelerator.process_index, accelerator.num_processes):
+    want = from_accelerate(accelerator)   # the data-parallel rank of its ParallelismConfig, else the process
+    if (spec.rank, spec.world_size) != (want.rank, want.world_size):
         raise FeederIntegrationError(
             f"feeder dataset rank={spec.rank} world_size={spec.world_size} but this Accelerate process is "
-            f"{accelerator.process_index} of {accelerator.num_processes}; leave rank and world_size out "
-            f"(DistributedFeederDataset) to take them from the process group")
+            f"data-parallel rank {want.rank} of {want.world_size}; leave rank and world_size out "
+            f"(DistributedFeederDataset(..., parallel=accelerator)) to take them from the accelerator")
     loader = FeederLoader(dataset, transform=transform, device=accelerator.device if device_placement else None,
                           num_workers=num_workers, **dataloader_kw)
     accelerator.register_for_checkpointing(loader)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from feeder_client import FeederBatch, FeederDataset
 from feeder_client.packing import hf_inputs
+from feeder_client.parallel import feeder_ranks
 
 STATE_VERSION = 1
 
@@ -34,17 +35,33 @@ class FeederIntegrationError(ValueError):
     """A feeder dataset used in a way that would give ranks the wrong samples."""
 
 
-def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """The rank and world size to stream for: the process group's when it exists, else
-    torchrun's (and accelerate launch's, Lightning's, DeepSpeed's) RANK / WORLD_SIZE, else 0 / 1.
+def megatron_state():
+    """megatron.core.parallel_state when Megatron's model parallelism is initialized, else None."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    try:
+        return ps if ps is not None and ps.model_parallel_is_initialized() else None
+    except Exception:   # an older or half-initialized Megatron: not ours to read
+        return None
 
-    Given values must match the process group: a rank streaming another rank's samples, or
-    with another world size, would train on duplicates and leave gaps, silently.
+
+def rank_and_world(rank: int | None = None, world_size: int | None = None, parallel=None) -> tuple[int, int]:
+    """The rank and world size to stream for: the data-parallel ones of `parallel` (a framework's
+    mesh: feeder_client.parallel.feeder_ranks; Megatron's parallel_state when initialized), else
+    the process group's when it exists, else torchrun's (and accelerate launch's, Lightning's,
+    DeepSpeed's) RANK / WORLD_SIZE, else 0 / 1.
+
+    Given values must match: a rank streaming another rank's samples, or with another world
+    size, would train on duplicates and leave gaps, silently.
 
     Raises:
-        FeederIntegrationError: rank or world_size not the process group's (or the env's).
+        FeederIntegrationError: rank or world_size not the process group's (or the env's, or
+            the mesh's data-parallel ones).
     """
-    if dist.is_available() and dist.is_initialized():
+    parallel = parallel if parallel is not None else megatron_state()
+    if parallel is not None:
+        r = feeder_ranks(parallel)
+        have, source = (r.rank, r.world_size), f"the data-parallel dimension of {type(parallel).__name__}"
+    elif dist.is_available() and dist.is_initialized():
         have, source = (dist.get_rank(), dist.get_world_size()), "the torch.distributed process group"
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         have, source = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])), "RANK/WORLD_SIZE in the environment"
@@ -102,17 +119,26 @@ class DistributedFeederDataset(FeederDataset):
     """FeederDataset with rank/world_size from the process group, that refuses to be re-cut.
 
     Takes FeederDataset's arguments; rank and world_size may be left out (see rank_and_world).
+    `parallel`: the framework's parallel layout (a DeviceMesh, an Accelerator with a
+    ParallelismConfig, a Lightning ModelParallelStrategy, a DeepSpeed engine; Megatron's
+    parallel_state is found by itself once initialized): rank and world_size are then its
+    data-parallel ones, and member, members, cp_rank, cp_size its (docs/model-parallel.md).
     """
 
-    def __init__(self, *args, rank: int | None = None, world_size: int | None = None, **kw):
+    def __init__(self, *args, rank: int | None = None, world_size: int | None = None, parallel=None, **kw):
         self._given = (rank, world_size)
-        rank, world_size = rank_and_world(rank, world_size)
+        self.parallel = parallel if parallel is not None else megatron_state()
+        rank, world_size = rank_and_world(rank, world_size, self.parallel)
+        if self.parallel is not None:   # model parallel: which member of the rank this process is
+            r = feeder_ranks(self.parallel)
+            for k in ("member", "members", "cp_rank", "cp_size"):
+                kw.setdefault(k, getattr(r, k))
         super().__init__(*args, rank=rank, world_size=world_size, **kw)
 
     def check_process_group(self) -> None:
         """Raise FeederIntegrationError when the process group (made after this dataset, as
         Lightning and plain scripts do) disagrees with the rank/world this dataset streams."""
-        rank_and_world(self.spec.rank, self.spec.world_size)
+        rank_and_world(self.spec.rank, self.spec.world_size, self.parallel)
 
     def __iter__(self) -> Iterator[FeederBatch]:
         check_iterated_alone()

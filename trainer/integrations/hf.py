@@ -33,6 +33,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from feeder_client import FeederBatch, FeederDataset
 
+from feeder_client.parallel import from_device_mesh, mesh_ranks
+
 from .common import DistributedFeederDataset, FeederIntegrationError, FeederLoader, batch_dict, rank_and_world
 
 __all__ = ["FeederTrainer", "DistributedFeederDataset", "FeederIntegrationError", "STATE_FILE"]
@@ -72,11 +74,19 @@ class FeederTrainer(Trainer):
 
     def get_train_dataloader(self) -> FeederLoader:
         spec = self.feeder_loader.dataset.spec
-        rank_and_world(spec.rank, spec.world_size)   # the process group exists by now
-        if (spec.rank, spec.world_size) != (self.args.process_index, self.args.world_size):
+        # The Trainer's Accelerator knows its parallelism (tensor / context parallel dimensions):
+        # the feeder's rank is the data-parallel one.
+        mesh = getattr(getattr(self, "accelerator", None), "torch_device_mesh", None)
+        if mesh is not None:
+            want = from_device_mesh(mesh)
+            rank_and_world(spec.rank, spec.world_size, mesh)
+        else:
+            rank_and_world(spec.rank, spec.world_size)   # the process group exists by now
+            want = mesh_ranks(dp=(self.args.process_index, self.args.world_size))
+        if (spec.rank, spec.world_size) != (want.rank, want.world_size):
             raise FeederIntegrationError(
-                f"feeder dataset rank={spec.rank} world_size={spec.world_size} but the Trainer runs as process "
-                f"{self.args.process_index} of {self.args.world_size}")
+                f"feeder dataset rank={spec.rank} world_size={spec.world_size} but the Trainer runs as "
+                f"data-parallel rank {want.rank} of {want.world_size}")
         return self.feeder_loader
 
     def _save_checkpoint(self, model, trial) -> None:

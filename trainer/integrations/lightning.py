@@ -95,7 +95,13 @@ class FeederDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.loader is not None:
             return
-        dataset = DistributedFeederDataset(self.targets, **self.dataset_kw)
+        # A ModelParallelStrategy's device mesh says which data-parallel rank (and member) this is.
+        strategy = getattr(getattr(self, "trainer", None), "strategy", None)
+        mesh = getattr(strategy, "device_mesh", None) if strategy is not None else None
+        kw = dict(self.dataset_kw)
+        if mesh is not None and "parallel" not in kw:
+            kw["parallel"] = mesh
+        dataset = DistributedFeederDataset(self.targets, **kw)
         self.loader = FeederLoader(dataset, num_workers=self.num_workers, **self.dataloader_kw)
         self._trained = dataset.cursor
         if self._pending is not None:

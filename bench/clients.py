@@ -66,7 +66,7 @@ def _drive(args) -> dict:
     """In a client process: run `ranks` as threads for `seconds` after a warm-up; each takes
     batches as fast as it can, or 'trains' step_s per batch. Returns totals."""
     (addresses, job, ranks, world, seq_len, mb, compression, seconds, step_s, warm_s, read_ahead, *layout) = args
-    boundaries, packing = layout or (False, "concat")
+    boundaries, packing, members = (list(layout) + [0])[:3] if layout else (False, "concat", 0)
     from feeder_client import ClientConfig, FeederClient
     from feeder.core.config import StreamSpec
 
@@ -81,8 +81,10 @@ def _drive(args) -> dict:
 
     def rank_loop(r):
         try:
-            spec = StreamSpec(job=job, rank=r, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0,
-                              compression=compression, seed=1, boundaries=boundaries, packing=packing)
+            # members: every "rank" here is a member of rank 0 (a model-parallel rank's processes)
+            who = dict(rank=0, member=r, members=members) if members else dict(rank=r)
+            spec = StreamSpec(job=job, world_size=world, seq_len=seq_len, micro_batch=mb, num_epochs=0,
+                              compression=compression, seed=1, boundaries=boundaries, packing=packing, **who)
             t_open = time.monotonic()
             cli = FeederClient(ClientConfig(targets=tuple(addresses), spec=spec, read_ahead=read_ahead))
             it = iter(cli)
@@ -235,15 +237,16 @@ class Clients:
         self.n = n
 
     def run(self, addresses, job, world, *, seq_len, mb, compression="none", seconds=4.0, step_s=0.0,
-            ranks=None, warm_s=1.0, read_ahead=4, boundaries=False, packing="concat") -> dict:
+            ranks=None, warm_s=1.0, read_ahead=4, boundaries=False, packing="concat", members=0) -> dict:
         """`world` ranks (or just `ranks`) of FeederClients spread over the client processes,
         taking batches for `seconds` after a warm-up (`step_s`: a training step per batch):
         their totals, tokens/s and the share of time they waited for data. `boundaries`,
-        `packing`: document-aware samples (the client then also makes position_ids and cu_seqlens)."""
+        `packing`: document-aware samples (the client then also makes position_ids and cu_seqlens).
+        `members`: the ranks are instead that many members of rank 0 (model parallelism)."""
         ranks = list(range(world)) if ranks is None else ranks
         parts = [ranks[i::self.n] for i in range(self.n)]
         args = [(addresses, job, part, world, seq_len, mb, compression, seconds, step_s, warm_s, read_ahead,
-                 boundaries, packing) for part in parts if part]
+                 boundaries, packing, members) for part in parts if part]
         results = self.pool.map(_drive, args)
         tot = {"tokens": 0, "batches": 0, "wait_s": 0.0, "cpu_s": 0.0, "errors": [], "first": []}
         for r in results:

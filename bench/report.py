@@ -60,6 +60,8 @@ def table(r: dict) -> str:
         return "\n".join(f"{k:<30} {v}" for k, v in _kafka_rows(r))
     if r["config"].get("only") == "packing":
         return "\n".join(f"{k:<34} {v}" for k, v in _packing_rows(r))
+    if r["config"].get("only") == "members":
+        return "\n".join(f"{k:<34} {v}" for k, v in _members_rows(r))
 
     rows = [
         ("raw_socket_mb_s", f"{r['raw_socket_mb_s']:,.0f} MB/s ({of_rounds('raw_socket_mb_s')})"),
@@ -220,3 +222,13 @@ def _packing_rows(r: dict) -> list[tuple[str, str]]:
                                     f"{c['pack_s']:.2f} s (+{c['read_doc_starts_s']:.2f} s reading document starts)"),
             ("10^7 web-like documents packed", f"{w['pack_s']:.1f} s (target <= 60 s), {w['bins']:,} bins, "
                                                f"{100 * w['padding_fraction']:.3f} % padding (target <= 3 %)")]
+
+
+def _members_rows(r: dict):
+    """`--only members`: feeder CPU per token, members against ranks; wire bytes per CP member."""
+    m = r["feeder_cpu_s_per_mtok"]
+    yield f"feeder CPU, {r['members']} members of 1 rank", f"{m['members']:.3f} s per M tokens delivered"
+    yield f"feeder CPU, {r['members']} ranks", f"{m['ranks']:.3f} s per M tokens delivered"
+    yield "members / ranks", f"{r['members_vs_ranks']:.2f}x (target <= {r['target_members_vs_ranks']}x)"
+    for k, v in r["wire"].items():
+        yield f"wire per batch, {k}", f"{v['bytes_per_batch']:,} B = {v['of_C1']:.3f} of C=1 (target <= {v['target']})"

@@ -237,11 +237,11 @@ def test_a_cursor_naming_a_permutation_a_feeder_lacks_is_refused_and_the_rank_mo
 
         import dataclasses
 
-        from feeder.core import cursor as cursor_mod
-
         c = Cursor.decode(first[0].cursor, b"")
-        with pytest.MonkeyPatch.context() as mp:   # a newer feeder's kind, at index 9
-            mp.setattr(cursor_mod, "KINDS", (*order.KINDS, *(f"new{i}" for i in range(len(order.KINDS), 10))))
+        with pytest.MonkeyPatch.context() as mp:   # a newer feeder's kind, at cursor byte 9 (known here only)
+            newer = order.OrderKind("new9", 9, order.Stateless, materialized=False)
+            mp.setitem(order._BY_NAME, "new9", newer)
+            mp.setitem(order._BY_BYTE, 9, newer)
             forged = dataclasses.replace(c, permutation="new9").encode(b"")
         stub_ch = grpc.insecure_channel(good.address)
         from feeder.service.convert import stream_request

@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from feeder.core import sampler
+from feeder.core import order, sampler
 from feeder.core.cursor import Mixture
 from feeder.core.errors import FailedPrecondition
 
@@ -312,8 +312,8 @@ def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool, kind: 
     Cached with the epoch orders, except small ones: an upsampled small source needs a new
     permutation every n draws, thousands an epoch, and caching those would evict the job's
     epoch orders (256 entries) for permutations cheaper to draw again than to look up."""
-    if n < SMALL_SOURCE and shuffle and kind != "stateless":
-        return sampler.randperm(n, source_seed(seed, name) + cycle, kind)
+    if n < SMALL_SOURCE and shuffle and order.kind_of(kind).materialized:
+        return order.make(kind, n, source_seed(seed, name) + cycle)
     return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle, kind)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from feeder.core.context import LAYOUTS, divisibility
 from feeder.core.errors import InvalidArgument
 from feeder.core.layout import PACKINGS
-from feeder.core.order import KINDS
+from feeder.core import order
 
 try:
     import tomllib
@@ -164,7 +164,7 @@ class StreamSpec:
     mixture: tuple[tuple[str, float], ...] = ()
     epoch_samples: int = 0
     remix: bool = False
-    # The epoch's order (feeder.order.KINDS): torch's randperm as the client's torch release
+    # The epoch's order (feeder.core.order.kinds()): torch's randperm as the client's torch release
     # draws it ("torch" from 2.7, "torch-legacy" before; "" from an older client), or "stateless".
     permutation: str = ""
     # Document-aware samples (docs/packing.md): "concat" (windows of the packed stream) or
@@ -208,7 +208,7 @@ class StreamSpec:
         _positive("num_workers", self.num_workers, upper=1024)
         _text("dataset", self.dataset, limit=MAX_NAME)
         _text("expected_fingerprint", self.expected_fingerprint)   # Kafka's lists every partition: no limit
-        if self.permutation not in KINDS:
+        if self.permutation not in order.kinds():
             raise InvalidArgument(f"permutation must be torch or stateless (torch-legacy: torch before 2.7), "
                                   f"got {shown(self.permutation)}")
         if self.packing not in PACKINGS:

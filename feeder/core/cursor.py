@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 
 from feeder.core.errors import FailedPrecondition
-from feeder.core.order import KINDS
+from feeder.core import order
 
 try:
     from feeder._native import cursors as _native_cursors   # the same bytes, ~4x faster
@@ -37,7 +37,7 @@ MAC_LEN = 16
 DEV_SECRET = b"feeder-development-secret-not-for-production"
 
 # seed flags permutation seq_len world rank epoch base pos step (the permutation byte, once 0
-# in every cursor, is the index of its kind in feeder.order.KINDS: 0, "", in older cursors)
+# in every cursor, is its kind's byte in feeder.core.order's registry: 0, "", in older cursors)
 _FIXED = struct.Struct(">QBBIIIIQQQ")
 _HEAD = struct.Struct(">QBBIII")        # the part of _FIXED a stream keeps: seed .. rank
 _TAIL = struct.Struct(">IQQQ")          # and the part each batch moves: epoch base pos step
@@ -245,7 +245,7 @@ class Cursor:
     pos: int       # samples of this rank's segment list already delivered
     step: int      # batches already delivered in this epoch
     src: Position = None   # the source position the sampler cannot derive (see the module doc)
-    permutation: str = ""  # the kind of the epoch's order (feeder.order.KINDS), as feeder.order.agreed names it
+    permutation: str = ""  # the kind of the epoch's order (feeder.core.order.kinds()), as feeder.order.agreed names it
 
     def head(self) -> bytes:
         """Everything before (epoch, base, pos, step): the same for every batch of a stream segment."""
@@ -256,7 +256,7 @@ class Cursor:
         return b"".join([
             MAGIC, bytes([VERSION, _KIND[type(self.src)]]),
             struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp, struct.pack(">I", len(src)), src,
-            _HEAD.pack(self.seed, flags, KINDS.index(self.permutation), self.seq_len, self.world_size, self.rank),
+            _HEAD.pack(self.seed, flags, order.kind_of(self.permutation).byte, self.seq_len, self.world_size, self.rank),
         ])
 
     def encode(self, secret: bytes) -> bytes:
@@ -295,12 +295,14 @@ class Cursor:
             seed, flags, kind, seq_len, world, rank, epoch, base, pos, step = _FIXED.unpack_from(body, at)
         except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise FailedPrecondition(f"cursor is malformed: {e}") from None
-        if kind >= len(KINDS):   # a newer feeder's permutation: another feeder may know it
+        named = order.by_byte(kind)
+        if named is None:   # a newer feeder's permutation: another feeder may know it
             raise FailedPrecondition(f"cursor names permutation kind {kind}, which this feeder does not know (it knows "
-                                     f"0 to {len(KINDS) - 1}); another feeder may", elsewhere=True)
+                                     f"{', '.join(str(order.kind_of(k).byte) for k in order.kinds())}); another "
+                                     "feeder may", elsewhere=True)
         return cls(job=job, fingerprint=fp, seed=seed, shuffle=bool(flags & 1),
                    drop_last=bool(flags & 2), seq_len=seq_len, world_size=world, rank=rank,
-                   epoch=epoch, base=base, pos=pos, step=step, src=src, permutation=KINDS[kind])
+                   epoch=epoch, base=base, pos=pos, step=step, src=src, permutation=named.name)
 
 
 def _mac(secret: bytes, body: bytes) -> bytes:

@@ -13,7 +13,8 @@ the ids at given positions, `order[positions]` or `order[a:b:step]` (int arrays)
   cycle-walked), O(1) memory and time per id at any n; a new one per seed + epoch.
 * identity (`Identity`): shuffle off.
 
-Permutation kinds (`KINDS`) are what a client asks for and a cursor records, by code:
+Permutation kinds (`OrderKind`, `register`: the one place a kind is named, with its properties
+and its cursor byte) are what a client asks for and a cursor records, by byte:
   ""             no kind named (an older client or cursor): torch's, valid only where every
                  torch release agrees (n < TORCH_INSIDE_OUT_FROM)
   "torch"        torch >= 2.7: forward below 214,748,364 samples, inside-out from there
@@ -23,6 +24,9 @@ Permutation kinds (`KINDS`) are what a client asks for and a cursor records, by 
 agree, or nothing is shuffled), so ranks and cursors are compared on what makes a difference.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,9 +38,62 @@ except ImportError:  # no C compiler at install: torch's kinds are refused, stat
     _c = None
 
 TORCH_INSIDE_OUT_FROM = (2**32 - 1) // 20   # torch: n < numeric_limits<uint32_t>::max() / 20
-KINDS = ("", "torch", "torch-legacy", "stateless")
 CHOICES = ("torch", "stateless")            # what a user chooses (FeederDataset(permutation=...))
-TORCH_KINDS = ("", "torch", "torch-legacy")
+
+
+@dataclass(frozen=True)
+class OrderKind:
+    """One kind of epoch order, registered once by name (`register`). Everything that depends on
+    the kind asks its properties here instead of comparing names.
+
+    `byte` is what every cursor stores for the kind: fixed forever once released (a cursor
+    written today must name the same kind in ten years), so bytes are only ever added;
+    tests/test_order.py holds the table of those released."""
+    name: str
+    byte: int
+    make: Callable[[int, int], Any]   # (n, seed) -> the order (order[positions] -> ids; len)
+    # Drawn whole (torch's randperm: O(n), cached when small, built once into the cache
+    # directory when large, ahead of need) rather than computed per position.
+    materialized: bool
+    needs_c: bool = False             # drawn by feeder/_shuffle.c: refused where it was not built
+    torch: bool = False               # a torch release's randperm (all draw alike below TORCH_INSIDE_OUT_FROM)
+
+
+_BY_NAME: dict[str, OrderKind] = {}
+_BY_BYTE: dict[int, OrderKind] = {}
+
+
+def register(kind: OrderKind) -> OrderKind:
+    """Add a kind of order: its name and its cursor byte must both be new."""
+    if not 0 <= kind.byte < 256:
+        raise ValueError(f"an order kind's cursor byte is 0..255, got {kind.byte}")
+    for taken, what in ((_BY_NAME.get(kind.name), "name"), (_BY_BYTE.get(kind.byte), "cursor byte")):
+        if taken is not None:
+            raise ValueError(f"order kind {kind.name!r}: its {what} is {taken.name!r}'s already")
+    _BY_NAME[kind.name] = _BY_BYTE[kind.byte] = kind
+    return kind
+
+
+def kind_of(name: str) -> OrderKind:
+    got = _BY_NAME.get(name)
+    if got is None:
+        raise FailedPrecondition(f"permutation {name!r} is not known to this feeder (it knows "
+                                 f"{', '.join(k for k in kinds() if k)}); another feeder may", elsewhere=True)
+    return got
+
+
+def by_byte(byte: int) -> OrderKind | None:
+    return _BY_BYTE.get(byte)
+
+
+def kinds() -> tuple[str, ...]:
+    """The registered kinds' names, in cursor-byte order."""
+    return tuple(k.name for _, k in sorted(_BY_BYTE.items()))
+
+
+def make(name: str, n: int, seed: int):
+    """Kind `name`'s order of [0, n) under `seed`."""
+    return kind_of(name).make(n, seed)
 
 
 def torch_kind(version: str) -> str:
@@ -51,10 +108,7 @@ def torch_kind(version: str) -> str:
 def agreed(kind: str, largest: int, shuffle: bool) -> str:
     """The kind that decides the orders of a stream whose largest permutation has `largest`
     ids: "" where every torch release draws the same (or nothing is shuffled)."""
-    if kind not in KINDS:
-        raise FailedPrecondition(f"permutation {kind!r} is not known to this feeder (it knows {', '.join(KINDS[1:])}); "
-                                 "another feeder may", elsewhere=True)
-    if not shuffle or (kind in TORCH_KINDS and largest < TORCH_INSIDE_OUT_FROM):
+    if not shuffle or (kind_of(kind).torch and largest < TORCH_INSIDE_OUT_FROM):
         return ""
     if kind == "":
         raise FailedPrecondition(
@@ -65,7 +119,8 @@ def agreed(kind: str, largest: int, shuffle: bool) -> str:
 
 def why_not_served(kind: str) -> str:
     """Why this feeder cannot draw orders of `kind` ("" when it can)."""
-    if kind in TORCH_KINDS and kind and _c is None:
+    known = _BY_NAME.get(kind)
+    if known is not None and known.needs_c and kind and _c is None:
         return f"this feeder was installed without its C shuffle (feeder/_shuffle.c), which {kind!r} orders need"
     return ""
 
@@ -193,3 +248,12 @@ def torch_randperm(n: int, seed: int, kind: str, out: np.ndarray | None = None,
         out = np.empty(n, dtype=order_dtype(n))
     stopped = _c.randperm(out, seed % (1 << 64), inside_out(kind, n), progress)
     return out, stopped
+
+
+# The kinds released so far, with their cursor bytes (append only).
+register(OrderKind("", 0, lambda n, seed: torch_randperm(n, seed, "")[0], materialized=True, needs_c=True, torch=True))
+register(OrderKind("torch", 1, lambda n, seed: torch_randperm(n, seed, "torch")[0], materialized=True, needs_c=True,
+                   torch=True))
+register(OrderKind("torch-legacy", 2, lambda n, seed: torch_randperm(n, seed, "torch-legacy")[0], materialized=True,
+                   needs_c=True, torch=True))
+register(OrderKind("stateless", 3, lambda n, seed: Stateless(n, seed), materialized=False))

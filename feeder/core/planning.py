@@ -128,7 +128,7 @@ class StreamPlan:
         self.largest = max(largest, self.n)
         self.spec = spec = dataclasses.replace(spec, permutation=order.agreed(spec.permutation, self.largest,
                                                                                spec.shuffle))
-        if spec.shuffle and spec.permutation != "stateless" and order.why_not_served("torch"):
+        if spec.shuffle and order.kind_of(spec.permutation).needs_c and order.why_not_served("torch"):
             raise FailedPrecondition(order.why_not_served("torch"), elsewhere=True)
         self.waiting = ""   # why the next run is not ready (an order being built), for the rank
         self.start = self._start(cursor)

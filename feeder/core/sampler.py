@@ -70,22 +70,23 @@ def use_order_store(store) -> None:
 
 def prepare_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "") -> None:
     """Have epoch's order built ahead of need, where it is built at all (large, torch's)."""
-    if shuffle and kind != "stateless" and n > SMALL_ORDER and _prepare is not None:
+    if shuffle and order.kind_of(kind).torch and n > SMALL_ORDER and _prepare is not None:
         _prepare(n, seed + epoch, kind)
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = ""):
     """The epoch's global order of sample ids (an order: `order[positions]`, `len(order)`).
 
-    `kind` is the permutation (feeder.order.KINDS): torch's (materialized: cached here when
+    `kind` is the permutation (feeder.core.order.kinds()): torch's (materialized: cached here when
     small, the order store's when large, so every rank of a job and every job with the same
     (n, seed + epoch) share one) or stateless (computed per position). Raises OrderPending
     while a large torch order is being built."""
     if not shuffle:
         return order.Identity(n)
-    if kind == "stateless":
-        return order.Stateless(n, seed + epoch)
-    if n > SMALL_ORDER:
+    k = order.kind_of(kind)
+    if not k.materialized:   # computed per position: nothing to draw or keep
+        return k.make(n, seed + epoch)
+    if n > SMALL_ORDER and k.torch:   # built once into the cache directory (the order store)
         return _large_orders(n, seed + epoch, kind)
     return _cached(n, seed + epoch, kind)
 
@@ -98,7 +99,7 @@ def _cached(n: int, seed: int, kind: str) -> np.ndarray:
         if hit is not None:
             _ORDER_CACHE.move_to_end(key)
             return hit
-    drawn = randperm(n, seed, kind)
+    drawn = np.asarray(order.make(kind, n, seed))
     drawn.setflags(write=False)
     with _ORDER_LOCK:
         if key not in _ORDER_CACHE:   # another thread may have drawn it meanwhile

@@ -1,0 +1,79 @@
+"""Extending the feeder (issue 32, docs/extending.md): a new kind of epoch order is one
+registration, served end to end; the cursor bytes of the kinds released so far never change."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from feeder.core import order
+from feeder.core.config import ServeConfig, StreamSpec
+from feeder.core.cursor import Cursor
+from feeder.core.sampler import n_samples
+from feeder.service.server import ServerThread
+from feeder_client.stream import ClientConfig, FeederClient
+
+# Every kind ever released, with the byte its cursors carry. Append only: a cursor written by
+# any release must name the same kind in every later one.
+RELEASED = {"": 0, "torch": 1, "torch-legacy": 2, "stateless": 3}
+
+
+def test_the_cursor_bytes_of_released_order_kinds_never_change():
+    for name, byte in RELEASED.items():
+        assert order.kind_of(name).byte == byte and order.by_byte(byte).name == name
+    assert set(order.kinds()) >= set(RELEASED)
+    assert len({order.kind_of(k).byte for k in order.kinds()}) == len(order.kinds())
+    with pytest.raises(ValueError, match="cursor byte is 'stateless'"):
+        order.register(order.OrderKind("another", 3, order.Stateless, materialized=False))
+    with pytest.raises(ValueError, match="name is 'torch'"):
+        order.register(order.OrderKind("torch", 77, order.Stateless, materialized=False))
+
+
+class Reversed:
+    """A toy order: position i holds id n - 1 - i (whatever the seed)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        positions = np.arange(*key.indices(self.n)) if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
+        return self.n - 1 - positions
+
+
+@pytest.fixture
+def reversed_kind(monkeypatch):
+    """The toy kind, registered for this test only (one registration call)."""
+    monkeypatch.setattr(order, "_BY_NAME", dict(order._BY_NAME))
+    monkeypatch.setattr(order, "_BY_BYTE", dict(order._BY_BYTE))
+    return order.register(order.OrderKind("toy-reversed", 200, Reversed, materialized=False))
+
+
+def test_a_toy_order_kind_registered_here_is_served_end_to_end(reversed_kind, dataset, stream):
+    """Ranks ask for it by name; each gets DistributedSampler's dealing of the toy order's
+    positions; its cursors carry its byte and resume it."""
+    seq, world, mb = 16, 3, 4
+    n = n_samples(len(stream), seq)
+    srv = ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=2048))
+    try:
+        for rank in range(world):
+            spec = StreamSpec(job="toy-order", rank=rank, world_size=world, seq_len=seq, micro_batch=mb,
+                              permutation="toy-reversed")
+            c = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, retry_for_s=10))
+            got = list(c)
+            c.close()
+            per = -(-n // world)
+            positions = (rank + np.arange(per) * world) % n     # DistributedSampler's dealing, padded from the front
+            assert [i for b in got for i in b.sample_ids.tolist()] == (n - 1 - positions).tolist()
+            for b in got:
+                for row, i in zip(b.tokens.numpy(), b.sample_ids.tolist()):
+                    assert np.array_equal(row, stream[i * seq:i * seq + seq + 1])
+            cursor = Cursor.decode(got[2].cursor, b"")
+            assert cursor.permutation == "toy-reversed"
+            resumed = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, cursor=got[2].cursor,
+                                                retry_for_s=10))
+            assert [b.sample_ids.tolist() for b in resumed] == [b.sample_ids.tolist() for b in got[3:]]
+            resumed.close()
+    finally:
+        srv.stop()

@@ -14,7 +14,7 @@ from feeder.core.cursor import Cursor
 from feeder.core.planning import StreamPlan
 from feeder.core.rows import Rows
 from feeder.service.server import ServerThread
-from feeder.sources import Plan, Source
+from feeder.sources import Plan, PlanBase, Source
 from feeder.sources.open import open_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +46,16 @@ def test_every_source_and_plan_implements_its_protocol(dataset):
 
     src = open_source(str(dataset))
     assert isinstance(src, Source) and isinstance(src.plan(SPEC, None), Plan)
+    assert isinstance(src.plan(SPEC, None), PlanBase)   # the defaults every plan inherits
     mem = ArraySource(np.arange(500, dtype=np.uint16))
     assert isinstance(mem, Source) and isinstance(mem.plan(SPEC, None), Plan)
     plan, _ = follow_plan([[[1, 2, 3]] * 4], rank=0, world=1)
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, Plan) and isinstance(plan, PlanBase)
     from feeder.sources.mixture import MixtureSource
 
     mix = MixtureSource((("a", 2.0), ("b", 1.0)), {"a": mem, "b": ArraySource(np.arange(300, dtype=np.uint16))})
     assert isinstance(mix, Source) and isinstance(mix.plan(SPEC, None), Plan)
+    assert isinstance(mix.plan(SPEC, None), PlanBase)
 
 
 @pytest.mark.kafka
@@ -68,7 +70,7 @@ def test_kafka_sources_and_both_their_plans_implement_the_protocols(kafka_broker
         src = KafkaSource(KafkaURL.parse(f"kafka://{kafka_broker}/{topic}?mode={mode}"))
         try:
             plan = src.plan(SPEC, None)
-            assert isinstance(src, Source) and isinstance(plan, Plan), mode
+            assert isinstance(src, Source) and isinstance(plan, Plan) and isinstance(plan, PlanBase), mode
             plan.close()
         finally:
             src.close()

@@ -97,13 +97,34 @@ class PlannedRun:
                           positions=None if at is None else at[a:b])
 
 
-class StreamPlan:
+class PlanBase:
+    """What every plan has unless it says otherwise (feeder.sources.Plan is what each must do).
+
+    A plan derives from this and overrides what differs: Kafka's follow plan brings its own
+    thread (`executor`), lag and skipped records, and passes `taken` on to a consumer group;
+    an order being built says so in `waiting`."""
+
+    executor = None      # the thread messages are built on: None, the shared pool (nothing here blocks)
+    bad_records = 0      # records skipped under bad_records=skip (Kafka)
+    waiting = ""         # why the next run is not ready, for the rank to hear ("": nothing to say)
+
+    @property
+    def lag(self) -> dict[int, int]:
+        """{partition: records behind the topic's end} (Kafka follow)."""
+        return {}
+
+    def taken(self, step: int) -> None:
+        """The rank's training loop has taken the batch of `step` (Kafka: group commits)."""
+
+    def close(self) -> None:
+        """The stream ended: let go of what the plan holds (a reader thread, a register entry)."""
+
+
+class StreamPlan(PlanBase):
     """The plan of a rank's stream over a fixed dataset of n_tokens tokens (a `Plan`).
 
     `data` is where the rows lie (its `locate(starts, n)` and `dtype`: a PosixSource, or the
     snapshot of a Kafka epoch); None for plans used only for their arithmetic (tests, audit)."""
-
-    executor = None   # the pipeline's shared pool: planning and locating rows never block
 
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
                  src: Position = None, data=None, largest: int = 0, n_samples: int = 0):
@@ -111,7 +132,6 @@ class StreamPlan:
         self.src = src               # carried in every cursor (Kafka bounded: the frozen epoch, KafkaEpoch)
         self.data = data
         self.dtype = data.dtype if data is not None else np.dtype(np.uint32)
-        self.bad_records = 0         # records a Kafka epoch skipped (set by its source)
         # (n_samples: a layout of its own, best-fit bins; else concat windows of the tokens)
         self.n = n_samples or sampler.n_samples(n_tokens, spec.seq_len)
         if self.n == 0:
@@ -185,10 +205,6 @@ class StreamPlan:
         if why is not None:
             raise FailedPrecondition(f"cursor does not fit this stream: it names no place in it ({why})")
 
-    @property
-    def lag(self) -> dict[int, int]:
-        return {}
-
     def locate(self, starts: np.ndarray, n: int):
         """Where rows [starts[i], starts[i] + n) of the dataset lie (Rows, or the tokens)."""
         return self.data.locate(starts, n)
@@ -196,12 +212,6 @@ class StreamPlan:
     def boundaries(self, starts: np.ndarray, n: int):
         """Where documents start inside those rows (feeder.layout.Bounds)."""
         return self.data.boundaries(starts, n)
-
-    def taken(self, step: int) -> None:
-        """The rank's training loop has taken the batch of `step`: nothing to pass on."""
-
-    def close(self) -> None:
-        pass
 
     def runs(self, max_batches: int = 64) -> Iterator["PlannedRun"]:
         """The stream as runs of up to `max_batches` consecutive batches of one epoch, each

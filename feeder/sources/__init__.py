@@ -13,7 +13,6 @@ implements both protocols in full; tests/test_seam.py checks each against them.
 """
 from __future__ import annotations
 
-from concurrent.futures import Executor
 from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -21,32 +20,24 @@ import numpy as np
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor
 from feeder.core.layout import Bounds
-from feeder.core.planning import Pending, PlannedRun, Start
+from feeder.core.planning import Pending, PlanBase, PlannedRun, Start
 from feeder.core.rows import Rows
 
 
 @runtime_checkable
 class Plan(Protocol):
     """One rank's stream, as the source planned it. Made by `Source.plan`, used from one
-    thread at a time (the pipeline's producer), closed when the stream ends."""
+    thread at a time (the pipeline's producer), closed when the stream ends.
+
+    What every plan must do; a plan also derives from `PlanBase` (feeder.core.planning), which
+    has the rest with defaults (`executor`, `lag`, `bad_records`, `waiting`, `taken`, `close`)
+    for the plans that differ to override (tests/test_seam.py checks both)."""
 
     spec: StreamSpec
     n: int               # samples in an epoch (0: unbounded, Kafka follow)
     fingerprint: str     # of the data this stream reads (carried in every cursor)
     start: Start         # where the stream starts (for logs)
     dtype: np.dtype      # of the tokens
-    bad_records: int     # records skipped so far (Kafka; 0 elsewhere)
-    waiting: str         # why the next run is not ready when runs() yields PENDING and the rank
-                         # should hear it (an order being built); "" otherwise (a tailed topic)
-
-    @property
-    def lag(self) -> dict[int, int]:
-        """{partition: records behind the topic's end} (Kafka follow; {} elsewhere)."""
-
-    @property
-    def executor(self) -> Executor | None:
-        """The thread the stream's messages are built on: None for the shared pool; a plan
-        whose runs block on I/O (tailing a topic) brings a thread of its own."""
 
     def runs(self, max_batches: int) -> Iterator[PlannedRun | Pending]:
         """The stream's batches as runs of at most `max_batches` batches of one epoch, in
@@ -61,12 +52,6 @@ class Plan(Protocol):
 
     def cursor_template(self) -> Cursor:
         """A cursor with the stream's fixed fields (the pipeline writes the moving ones)."""
-
-    def taken(self, step: int) -> None:
-        """The rank's training loop has taken the batch of `step` (Kafka: group commits)."""
-
-    def close(self) -> None:
-        """The stream ended: let go of what the plan holds (a reader thread, a register entry)."""
 
 
 @runtime_checkable
@@ -132,4 +117,4 @@ class ChunkTable(Protocol):
         """Tokens [start, start + len(out)) into out, across chunks."""
 
 
-__all__ = ["ChunkTable", "PerJob", "Plan", "Source", "Pending", "PlannedRun", "Start", "Rows"]
+__all__ = ["ChunkTable", "PerJob", "Plan", "PlanBase", "Source", "Pending", "PlannedRun", "Start", "Rows"]

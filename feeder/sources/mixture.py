@@ -20,7 +20,7 @@ from feeder.core import sampler
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor, Mixture
 from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
-from feeder.core.planning import PENDING, PlannedRun, Start, StreamPlan
+from feeder.core.planning import PENDING, PlanBase, PlannedRun, Start, StreamPlan
 from feeder.core.rows import Rows
 from feeder.core.layout import Bounds
 from feeder.sources import ChunkTable, PerJob
@@ -193,13 +193,10 @@ class MixtureParts:
         return MixturePlan(self, spec, cursor)
 
 
-class MixturePlan:
+class MixturePlan(PlanBase):
     """One rank's stream over a mixture (a `Plan`)."""
 
-    executor = None
-    lag: dict = {}
     held: list = []      # (source, token) of each bounded topic's epoch the stream keeps agreed
-    bad_records = 0      # records those epochs skipped (bad_records=skip)
 
     def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None):
         self.sizes = src.sizes(spec.seq_len, spec.packing)
@@ -337,9 +334,6 @@ class MixturePlan:
 
     def cursor_template(self) -> Cursor:
         return self.inner.cursor_template()
-
-    def taken(self, step: int) -> None:
-        """Nothing to pass on: the parts are files (a bounded topic's epoch too)."""
 
     def close(self) -> None:
         for src, token in self.held:

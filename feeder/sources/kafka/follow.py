@@ -18,7 +18,7 @@ import numpy as np
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor, KafkaFollow
 from feeder.core.errors import FailedPrecondition
-from feeder.core.planning import PENDING, Pending, PlannedBatch, PlannedRun, Start
+from feeder.core.planning import PENDING, Pending, PlanBase, PlannedBatch, PlannedRun, Start
 from feeder.core.sampling_key import DEAL, cursor_mismatch
 from feeder.sources.kafka.reader import FollowReader, FollowState
 
@@ -60,18 +60,17 @@ def take_rows(pieces: list[np.ndarray], skip: int, L: int, mb: int, dtype: np.dt
 # How long a followed topic may have nothing new before the rank is told so (WAITING notes).
 QUIET_S = 0.5
 
-class FollowPlan:
+class FollowPlan(PlanBase):
     """One rank's endless stream (a `Plan`): round-robin interleave, records dealt k mod W, packed.
 
     Reads through `reader` (by default a FollowReader of `src` opened here); `executor`, `lag`,
     `bad_records` and `close` are the reader's, for the pipeline. Its runs carry their tokens
     and cursors (the position is the interleave's offsets, not (epoch, base, pos, step))."""
 
-    # Why nothing comes: set once the topic has had no new record for QUIET_S, so the stream
-    # tells the rank every second (it holds the stream, and does not fail over on its idle
-    # timeout, or give up after retry_for_s, while producers are quiet); "" while records flow,
-    # so a momentary gap between fetches costs nothing.
-    waiting = ""
+    # `waiting` (PlanBase's): set once the topic has had no new record for QUIET_S, so the
+    # stream tells the rank every second (it holds the stream, and does not fail over on its
+    # idle timeout, or give up after retry_for_s, while producers are quiet); "" while records
+    # flow, so a momentary gap between fetches costs nothing.
     _quiet_since: float | None = None
 
     def __init__(self, src, spec: StreamSpec, cursor: Cursor | None, policy: str, *,

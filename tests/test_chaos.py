@@ -200,3 +200,20 @@ def test_regression_seed_600466_a_resharded_rank_starting_a_new_pass_ahead_of_th
     two different batches served for (epoch 0, world 4, rank 3, step 57). A cursor of the
     dealing over the same world size now goes on in that dealing instead of re-dealing it."""
     _run(600466)
+
+
+def test_regression_soak_seed_330157_a_superseded_ranks_member_errors_are_written_to_its_log():
+    """Soak seed 330157 (and 330081): a rank's members, replaced along with it (FAILED_PRECONDITION),
+    left errors keyed by (kind, index), which its JSON log could not hold: the rank crashed in
+    the harness, not the feeder. The verdict is plain JSON whatever the members met."""
+    import json
+
+    from tests.chaos.rank import Shadows
+
+    sh = Shadows.__new__(Shadows)
+    sh.cfg, sh.got = {"seq_len": 8}, {("m", 1): [(0, 0, [1, 2], "h"), (0, 1, [3, 4], "h2")]}
+    sh.errors = {("m", 1): "FAILED_PRECONDITION: replaced", ("cp", 0): "UNAVAILABLE: gone"}
+    verdict = sh.verdict({(0, 0): ([1, 2], "h"), (0, 1): ([3, 4], "h2")})
+    assert json.loads(json.dumps(verdict)) == {"members": "ok", "compared": 2, "bad": [],
+                                               "errors": {"m1": "FAILED_PRECONDITION: replaced",
+                                                          "cp0": "UNAVAILABLE: gone"}}

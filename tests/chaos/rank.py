@@ -126,7 +126,7 @@ class Shadows:
             if (ids0, token_hash(tokens.tobytes())) != main[e, st]:
                 bad.append(f"slices of (epoch {e}, step {st}) do not reassemble to member 0's batch")
         return {"members": "mismatch" if bad else "ok", "compared": compared, "bad": bad[:5],
-                "errors": self.errors}
+                "errors": {f"{kind}{index}": err for (kind, index), err in self.errors.items()}}
 
 
 def rank_main(cfg: dict, conn) -> None:

@@ -28,7 +28,9 @@ except ImportError:  # no C compiler at install
 
 PACKINGS = ("concat", "best_fit")
 # The packer's identity: a change to the packing rule changes every packed stream's fingerprint.
-PACKER = "bfd/1"
+# bfd/2: best-fit decreasing per block of documents (feeder.sources.pack_blocks), the bins of
+# block 0 first; a corpus of one block has bfd/1's bins.
+PACKER = "bfd/2"
 # How a packed stream's fingerprint begins (feeder.sources.packed.identity), so a cursor of the
 # other packing is told apart from one of another replica's data (feeder.sampling_key).
 PACKED_PREFIX = "bf-"

@@ -74,6 +74,7 @@ class MegatronFiles(TokenFiles):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._docs: dict[int, np.ndarray] = {}
+        self._ends = np.cumsum([sum(s.chunk_tokens) for s in self.shards], dtype=np.int64)   # each file's end
 
     def _index(self, si: int) -> tuple[np.ndarray, np.ndarray]:
         """File si's sequence byte pointers and each document's first sequence, memory-mapped
@@ -98,6 +99,30 @@ class MegatronFiles(TokenFiles):
         docs = np.searchsorted(first_seq, seqs)                              # documents starting with one of them
         first = np.asarray(first_seq[docs[0]:docs[1]])
         return np.asarray(pointers[first]) // size - lo
+
+    def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """From the .idx alone, one searchsorted per file the range touches (not per chunk): the
+        documents starting in [lo, hi) and the start of the one after them (a file's documents
+        end with it; the next file's first starts at its first token)."""
+        ends = self._ends
+        size = self.dtype.itemsize
+        parts, end = [], int(ends[-1])
+        si = int(np.searchsorted(ends, lo, side="right"))
+        while si < len(ends):
+            base = int(ends[si - 1]) if si else 0
+            pointers, first_seq = self._index(si)
+            a, b = max(lo, base) - base, min(hi, int(ends[si])) - base
+            seqs = np.searchsorted(pointers, [a * size, b * size])
+            docs = np.searchsorted(first_seq, seqs)
+            parts.append(np.asarray(pointers[np.asarray(first_seq[docs[0]:docs[1]])], dtype=np.int64) // size + base)
+            if docs[1] < len(first_seq):            # the next document starts in this file
+                end = int(pointers[int(first_seq[docs[1]])]) // size + base
+                break
+            end = int(ends[si])
+            if int(ends[si]) >= hi:
+                break
+            si += 1
+        return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), end
 
 
 def open_megatron(path: Path, opts: Options) -> Reader:

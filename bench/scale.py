@@ -35,6 +35,52 @@ def _corpus(root: Path, n: int) -> Path:
     return path
 
 
+PACK_SIZES = (10**7, 10**8, 10**9)   # documents of the packing rows
+PACK_SEQ = 4096
+PACK_MEDIAN = 600                      # tokens: lognormal lengths (sigma 1: mean ~990), web-like
+
+
+def megatron_corpus(root: Path, n_docs: int, *, seed: int = 0, median: int = PACK_MEDIAN) -> Path:
+    """A Megatron prefix of n_docs documents: a real .idx (lognormal lengths, written in parts:
+    10^9 documents are a 20 GB index, never whole in memory) and a sparse .bin of zeros (costs no
+    disk). Returns the prefix (PATH.idx + PATH.bin)."""
+    import struct
+
+    import numpy as np
+
+    from feeder.sources.formats.megatron import MAGIC
+
+    prefix = root / f"megatron-{n_docs}"
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    if idx.exists() and bin_.exists():
+        return prefix
+    rng = np.random.default_rng(seed)
+    part = 1 << 24
+    tmp = idx.with_suffix(".idx.tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<QBQQ", 1, 8, n_docs, n_docs + 1))   # version 1, uint16, sequences, documents
+        f.truncate(f.tell() + 12 * n_docs + 8 * (n_docs + 1))
+        lengths_at, pointers_at = f.tell(), f.tell() + 4 * n_docs
+        total = 0
+        for a in range(0, n_docs, part):
+            n = min(part, n_docs - a)
+            lengths = np.maximum(1, rng.lognormal(np.log(median), 1.0, n)).astype("<i4")
+            pointers = (np.cumsum(lengths, dtype=np.int64) - lengths + total) * 2
+            total += int(lengths.sum(dtype=np.int64))
+            f.seek(lengths_at + 4 * a)
+            f.write(lengths.tobytes())
+            f.seek(pointers_at + 8 * a)
+            f.write(pointers.astype("<i8").tobytes())
+        docs_at = pointers_at + 8 * n_docs
+        for a in range(0, n_docs + 1, part):
+            f.seek(docs_at + 8 * a)
+            f.write(np.arange(a, min(a + part, n_docs + 1), dtype="<i8").tobytes())
+    with open(bin_, "wb") as f:
+        f.truncate(total * 2)
+    os.rename(tmp, idx)
+    return prefix
+
+
 class _Peak:
     """Samples a process's anonymous resident memory (its peak: VmHWM covers file pages too)."""
 

@@ -238,7 +238,7 @@ class _Build:
                                                          "fortran_order": False, "shape": (sizes[k],)})
                 offset = 0
                 for b in range(self.n):
-                    a = np.load(self.block_dir(b) / f"{k}.npy", mmap_mode="r")
+                    a = np.load(self.block_dir(b) / f"{k}.npy")   # (read, not mapped: mapped pages stay resident)
                     if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
                         a = a[:-1].astype(np.int64) + offset
                         offset += pieces[b]

@@ -157,8 +157,25 @@ _ARRAYS = ("ptr", "start", "length")
 def _digest(arrays: dict) -> str:
     h = hashlib.sha256()
     for k in _ARRAYS:
-        h.update(np.ascontiguousarray(arrays[k]).view(np.uint8).reshape(-1).data)
+        a = arrays[k]
+        if isinstance(a, np.memmap):   # read from the file, not through the map: mapped pages would
+            _hash_file(h, a)           # stay in the feeder's resident memory (1.3 GB at 10^8 documents)
+        else:
+            h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
     return h.hexdigest()
+
+
+def _hash_file(h, a: np.memmap) -> None:
+    buf = bytearray(8 << 20)
+    left = a.nbytes
+    with open(a.filename, "rb", buffering=0) as f:
+        f.seek(a.offset)
+        while left:
+            got = f.readinto(memoryview(buf)[:min(left, len(buf))])
+            if not got:
+                raise ValueError(f"{a.filename} ends {left} bytes early")
+            h.update(memoryview(buf)[:got])
+            left -= got
 
 
 def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:

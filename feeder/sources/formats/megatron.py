@@ -98,8 +98,17 @@ class MegatronFiles(TokenFiles):
         hi = lo + self.shards[si].chunk_tokens[ci]
         seqs = _search(pointers, (lo * size, hi * size))                     # sequences starting in the chunk
         docs = _search(first_seq, seqs)                                      # documents starting with one of them
-        first = np.asarray(first_seq[docs[0]:docs[1]])
-        return np.asarray(pointers[first]) // size - lo
+        return self._starts(si, docs[0], docs[1]) - lo
+
+    def _starts(self, si: int, d0: int, d1: int) -> np.ndarray:
+        """Where documents [d0, d1) of file si start (tokens of the file), read from the .idx
+        with two reads, not through its memory map: pages read through a map stay in the
+        process's resident memory, and a packing reads the whole index (20 GB at 10^9)."""
+        pointers, first_seq = self._index(si)
+        if d1 <= d0:
+            return np.zeros(0, np.int64)
+        first = _read(first_seq, d0, d1)
+        return _read(pointers, int(first[0]), int(first[-1]) + 1)[first - first[0]] // self.dtype.itemsize
 
     def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
         """From the .idx alone, one search per file the range touches (not per chunk): the
@@ -115,7 +124,7 @@ class MegatronFiles(TokenFiles):
             a, b = max(lo, base) - base, min(hi, int(ends[si])) - base
             seqs = _search(pointers, (a * size, b * size))
             docs = _search(first_seq, seqs)
-            parts.append(np.asarray(pointers[np.asarray(first_seq[docs[0]:docs[1]])], dtype=np.int64) // size + base)
+            parts.append(self._starts(si, docs[0], docs[1]) + base)
             if docs[1] < len(first_seq):            # the next document starts in this file
                 end = int(pointers[int(first_seq[docs[1]])]) // size + base
                 break
@@ -132,6 +141,16 @@ def _search(table: np.ndarray, values) -> list[int]:
     numpy searches an unaligned array only after copying it whole: 800 MB per search at 10^8
     documents, which made a chunk's document starts take seconds and a packing hours."""
     return [bisect.bisect_left(table, v) for v in values]
+
+
+def _read(table: np.memmap, a: int, b: int) -> np.ndarray:
+    """table[a:b] of a memory-mapped .idx array, read into memory of its own (freed with it)."""
+    out = np.empty(b - a, dtype=np.int64)
+    with open(table.filename, "rb") as f:
+        f.seek(table.offset + a * table.itemsize)
+        if f.readinto(out) != out.nbytes:
+            raise DataLoss(f"{table.filename} ends before its entry {b - 1}: truncated while served")
+    return out
 
 
 def open_megatron(path: Path, opts: Options) -> Reader:

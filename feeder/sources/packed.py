@@ -39,8 +39,8 @@ log = logging.getLogger("feeder.packing")
 _directory: str = ""
 _config = PackingConfig()
 _lock = threading.Lock()          # _tables and _building only: never held across a build
-_tables: dict[tuple[str, int], "PackedTable"] = {}
-_building: dict[tuple[str, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
+_tables: dict[tuple[str, int, int], "PackedTable"] = {}
+_building: dict[tuple[str, int, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
 
 
 def use_directory(cache_dir: str) -> None:
@@ -123,7 +123,7 @@ class PackedTable:
 def packed(source, seq_len: int) -> PackedTable:
     """The best-fit bins of `source` at seq_len: mapped from the sidecar, built first if there
     is none (once per process; the build is noted for waiting ranks and `feeder status`)."""
-    key = (source.fingerprint, seq_len)
+    key = (source.fingerprint, seq_len, _config.block_tokens)   # (the block size: tests change it)
     with _lock:
         got = _tables.get(key)
         if got is not None and got.source is source:

@@ -133,6 +133,107 @@ def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, ep
     return out
 
 
+def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit", boundaries: bool = False) -> dict:
+    """One fresh feeder process over a Megatron prefix; rank 0 of 8 takes its first batch of
+    seq_len 4096 (best-fit bins: the packing is built first, unless the cache holds it)."""
+    from feeder_client import FeederDataset
+
+    f = Feeder(str(prefix), message_bytes=1 << 20, extra=["--vocab-size", "256", "--eos-id", "0", "--cache-dir",
+                                                           str(cache)])
+    peak = _Peak(f.proc.pid)
+    try:
+        ds = FeederDataset([f.address], job="pack", rank=0, world_size=8, seq_len=PACK_SEQ, micro_batch=1,
+                           packing=packing, boundaries=boundaries, retry_for_s=3600, idle_timeout_s=120)
+        t0 = time.perf_counter()
+        next(iter(ds))
+        took = time.perf_counter() - t0
+        ds.client.close()
+        return {"first_batch_s": took, "feeder_peak_rss_mb": peak.hwm_mb(), "feeder_peak_anon_mb": peak.anon_mb}
+    finally:
+        peak.stop()
+        f.stop()
+
+
+_BUILD = """
+import json, resource, sys, time
+from feeder.sources import packed
+from feeder.sources.formats import Options, open_any
+from feeder.sources.pack_blocks import PackingConfig
+packed.use_directory(sys.argv[2])
+packed.configure(PackingConfig(workers=int(sys.argv[3])))
+t0 = time.perf_counter()
+t = packed.packed(open_any(sys.argv[1], Options(vocab_size=256, eos_id=0), name="m"), int(sys.argv[4]))
+print(json.dumps({"build_s": time.perf_counter() - t0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _build_alone(prefix: Path, cache: Path, workers: int) -> dict:
+    """The packing built by a process of its own on `workers` threads (the cores' speed-up)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BUILD, str(prefix), str(cache), str(workers), str(PACK_SEQ)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def pack_figures(cfg: BenchConfig, root: Path | None = None, sizes=None) -> list[dict]:
+    """Best-fit packing of Megatron corpora of 10^7, 10^8 (and 10^9: FEEDER_SCALE_PACK_1E9=1, a
+    20 GB index and a 13 GB sidecar) documents: a fresh feeder's first batch (the packing built
+    on all cores), its build time, peak RSS and padding; the build on 1 and on 2 threads; a
+    second feeder on the built cache; `concat` with boundaries at the largest size."""
+    import json
+    import shutil
+
+    root = Path(root or tempfile.mkdtemp(prefix="feeder-pack-", dir=os.environ.get("FEEDER_SCALE_DIR")))
+    if sizes is None:
+        sizes = PACK_SIZES[:1] if cfg.quick else \
+            PACK_SIZES if os.environ.get("FEEDER_SCALE_PACK_1E9") else PACK_SIZES[:2]
+    rows = []
+    for n in sizes:
+        prefix = megatron_corpus(root, n)
+        cache = root / f"cache-{n}"
+        say(f"scale: packing {n:.0e} documents (seq_len {PACK_SEQ}): first batch of a fresh feeder")
+        row = {"documents": n, **_packed_first_batch(prefix, cache)}
+        stats = json.loads(next((cache / "packing").glob("*/stats.json")).read_text())
+        row.update(build_s=stats["build_s"], workers=stats["workers"], padding_fraction=stats["padding_fraction"],
+                   bins=stats["bins"], blocks=stats["blocks"], cpu_s=stats["read_s"] + stats["cpu_pack_s"])
+        say(f"scale: packing {n:.0e} documents: a second feeder on the built cache")
+        again = _packed_first_batch(prefix, cache)
+        row.update(again_first_batch_s=again["first_batch_s"], again_peak_rss_mb=again["feeder_peak_rss_mb"])
+        shutil.rmtree(cache)
+        if n <= 10**8:
+            for w in (1, 2):
+                say(f"scale: packing {n:.0e} documents on {w} thread(s), a process of its own")
+                got = _build_alone(prefix, root / f"cache-{n}-{w}", w)
+                row[f"build_{w}_thread_s"] = got["build_s"]
+                shutil.rmtree(root / f"cache-{n}-{w}")
+        rows.append(row)
+    n = sizes[-1]
+    say(f"scale: concat with boundaries over {n:.0e} documents: first batch of a fresh feeder")
+    rows.append({"documents": n, "concat_boundaries": True,
+                 **_packed_first_batch(megatron_corpus(root, n), root / "cache-concat", packing="concat",
+                                       boundaries=True)})
+    return rows
+
+
+def pack_table(rows: list[dict]) -> str:
+    lines = ["documents  first batch  build (threads)   per 10^6 docs  1 thread  2 threads  peak RSS   padding   again"]
+    for r in rows:
+        if r.get("concat_boundaries"):
+            lines.append(f"{r['documents']:.0e}      concat + boundaries: first batch {r['first_batch_s']:.2f} s, "
+                         f"peak RSS {r['feeder_peak_rss_mb']:.0f} MB")
+            continue
+        per = r["build_s"] / r["documents"] * 1e6
+        one = f"{r['build_1_thread_s']:.1f} s" if "build_1_thread_s" in r else "-"
+        two = f"{r['build_2_thread_s']:.1f} s" if "build_2_thread_s" in r else "-"
+        lines.append(f"{r['documents']:.0e}   {r['first_batch_s']:>9.1f} s  {r['build_s']:>6.1f} s ({r['workers']})"
+                     f"  {per:>10.2f} s  {one:>8}  {two:>9}  {r['feeder_peak_rss_mb']:>5.0f} MB"
+                     f"  {100 * r['padding_fraction']:.4f}%  {r['again_first_batch_s']:.2f} s")
+    return "\n".join(lines)
+
+
 def scale_figures(cfg: BenchConfig, root: Path | None = None) -> dict:
     """Every figure of the scale table, and tokens/s of the two orders on the bench corpus."""
     root = Path(root or tempfile.mkdtemp(prefix="feeder-scale-", dir=os.environ.get("FEEDER_SCALE_DIR")))
@@ -162,7 +263,7 @@ def scale_figures(cfg: BenchConfig, root: Path | None = None) -> dict:
                **_first_batch(f"a={a}", cache, permutation="stateless", mixture={"a": 0.7, "b": 0.3},
                               epoch_samples=n, extra=["--source", f"b={b}"])}
         rows.append(row)
-    return {"scale": rows, "orders_tokens_s": _orders_tokens_s(cfg)}
+    return {"scale": rows, "orders_tokens_s": _orders_tokens_s(cfg), "packing_scale": pack_figures(cfg, root)}
 
 
 def _orders_tokens_s(cfg: BenchConfig) -> dict:
@@ -198,6 +299,8 @@ def scale_table(res: dict) -> str:
                  if "again_first_batch_s" in r else "")
         lines.append(f"{what:<14} {r['order']:<10} {r['first_batch_s']:>9.2f} s {r['feeder_peak_rss_mb']:>7.0f} MB "
                      f"{r['feeder_peak_anon_mb']:>8.0f} MB   {again}")
+    if res.get("packing_scale"):
+        lines.append(pack_table(res["packing_scale"]))
     o = res.get("orders_tokens_s")
     if o:
         lines.append(f"bench corpus: stateless {o['stateless_tokens_s'] / 1e6:.1f} M tokens/s, torch "

@@ -115,6 +115,7 @@ class _Build:
         self.built_here = 0
         self.errors: list[BaseException] = []
         self.stopped = threading.Event()
+        self.t0 = time.perf_counter()
 
     def block_dir(self, b: int) -> Path:
         return self.parts / f"{b:07d}"
@@ -258,6 +259,8 @@ class _Build:
                 "truncated": sum(f["truncated"] for f in figures),
                 "padding_fraction": 1 - float(tokens) / (total_bins * (self.seq_len + 1)) if total_bins else 0.0,
                 "read_s": sum(f["read_s"] for f in figures), "cpu_pack_s": sum(f["pack_s"] for f in figures),
+                # the joiner's own: from its start to the sidecar written (with others' blocks, if any)
+                "build_s": time.perf_counter() - self.t0, "workers": self.cfg.threads(self.n),
                 "digest": h.hexdigest()}
 
 

@@ -219,7 +219,8 @@ def build(source, seq_len: int, where: Path) -> dict:
     finally:
         preparing.finished(name)
     stats = json.loads((where / "stats.json").read_text())
-    log.info("packed %s", describe({"dataset": getattr(source, "name", "?"), **stats, **ran}))
+    log.info("packed %s (%d of its blocks here)", describe({"dataset": getattr(source, "name", "?"), **stats}),
+             ran["built_here"])
     return stats
 
 
@@ -230,7 +231,7 @@ def describe(stats: dict) -> str:
             f"{stats['bins']:,} bins, {100 * stats['padding_fraction']:.2f}% padding, {stats['truncated']:,} "
             f"truncated (longer than a bin), {stats['blocks']:,} blocks packed in {cpu_s:.2f} s of one core "
             f"({cpu_s / max(stats['documents'], 1) * 1e6:.2f} s per 10^6 documents)"
-            + (f", {stats['build_s']:.2f} s on {stats['workers']} threads" if "build_s" in stats else ""))
+            + f", built in {stats['build_s']:.2f} s on {stats['workers']} threads")
 
 
 def built() -> list[dict]:

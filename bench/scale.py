@@ -210,11 +210,13 @@ def pack_figures(cfg: BenchConfig, root: Path | None = None, sizes=None) -> list
                 row[f"build_{w}_thread_s"] = got["build_s"]
                 shutil.rmtree(root / f"cache-{n}-{w}")
         rows.append(row)
-    n = sizes[-1]
-    say(f"scale: concat with boundaries over {n:.0e} documents: first batch of a fresh feeder")
-    rows.append({"documents": n, "concat_boundaries": True,
-                 **_packed_first_batch(megatron_corpus(root, n), root / "cache-concat", packing="concat",
-                                       boundaries=True)})
+        if n == sizes[-1]:
+            say(f"scale: concat with boundaries over {n:.0e} documents: first batch of a fresh feeder")
+            rows.append({"documents": n, "concat_boundaries": True,
+                         **_packed_first_batch(prefix, root / "cache-concat", packing="concat", boundaries=True)})
+            shutil.rmtree(root / "cache-concat")
+        for path in (f"{prefix}.idx", f"{prefix}.bin"):   # (the index is real: 20 GB at 10^9)
+            os.unlink(path)
     return rows
 
 

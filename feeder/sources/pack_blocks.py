@@ -213,6 +213,8 @@ class _Build:
                     time.sleep(0.1)
             if (self.where / "stats.json").is_file():
                 return
+            for old in self.where.parent.glob(f".{self.where.name}.*"):   # a joiner killed mid-join left it
+                shutil.rmtree(old, ignore_errors=True)                      # (13 GB at 10^9 documents)
             self.note(f"joining {self.n:,} blocks", 1.0)
             tmp = Path(tempfile.mkdtemp(prefix=f".{self.where.name}.", dir=self.where.parent))
             try:

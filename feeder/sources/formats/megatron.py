@@ -8,6 +8,7 @@ with --append-eod (it is stored at each document's end). So the samples are Mega
 from __future__ import annotations
 
 import bisect
+import os
 import struct
 from pathlib import Path
 
@@ -74,21 +75,19 @@ class MegatronFiles(TokenFiles):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._docs: dict[int, np.ndarray] = {}
+        self._docs: dict[int, tuple["IdxArray", "IdxArray"]] = {}
         self._ends = np.cumsum([sum(s.chunk_tokens) for s in self.shards], dtype=np.int64)   # each file's end
 
-    def _index(self, si: int) -> tuple[np.ndarray, np.ndarray]:
-        """File si's sequence byte pointers and each document's first sequence, memory-mapped
-        from its .idx (searched where asked, never read whole: 10^9 documents are 16 GB)."""
+    def _index(self, si: int) -> tuple["IdxArray", "IdxArray"]:
+        """File si's sequence byte pointers and each document's first sequence, in its .idx
+        (searched where asked, never read whole: 10^9 documents are 16 GB)."""
         got = self._docs.get(si)
         if got is None:
             idx = Path(f"{self.files[si][0].with_suffix('')}.idx")
             with open(idx, "rb") as f:
                 n_seq, n_doc = struct.unpack("<QQ", f.read(HEADER)[HEADER - 16:])
-            pointers = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER + 4 * n_seq, shape=(n_seq,)) if n_seq \
-                else np.zeros(0, np.int64)
-            first_seq = np.memmap(idx, dtype="<i8", mode="r", offset=HEADER + 12 * n_seq, shape=(n_doc,))[:-1]
-            got = self._docs[si] = (pointers, first_seq)
+            got = self._docs[si] = (IdxArray(idx, HEADER + 4 * n_seq, n_seq),
+                                    IdxArray(idx, HEADER + 12 * n_seq, max(n_doc - 1, 0)))
         return got
 
     def doc_starts(self, si: int, ci: int) -> np.ndarray:
@@ -107,8 +106,8 @@ class MegatronFiles(TokenFiles):
         pointers, first_seq = self._index(si)
         if d1 <= d0:
             return np.zeros(0, np.int64)
-        first = _read(first_seq, d0, d1)
-        return _read(pointers, int(first[0]), int(first[-1]) + 1)[first - first[0]] // self.dtype.itemsize
+        first = first_seq.read(d0, d1)
+        return pointers.read(int(first[0]), int(first[-1]) + 1)[first - first[0]] // self.dtype.itemsize
 
     def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
         """From the .idx alone, one search per file the range touches (not per chunk): the
@@ -135,22 +134,43 @@ class MegatronFiles(TokenFiles):
         return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), end
 
 
-def _search(table: np.ndarray, values) -> list[int]:
-    """np.searchsorted(table, values) (left) by bisection over the memory map. The index's arrays
-    lie at offsets that are not multiples of 8 (after a 34-byte header and 4-byte lengths), and
-    numpy searches an unaligned array only after copying it whole: 800 MB per search at 10^8
-    documents, which made a chunk's document starts take seconds and a packing hours."""
+class IdxArray:
+    """An int64 array of an .idx, read where asked with pread: entries for a bisection, ranges
+    for a block. Not a memory map: numpy searches the index's arrays (at offsets that are not
+    multiples of 8) only after copying them whole, 800 MB per search at 10^8 documents (what
+    made a packing take hours), and every page a search or a read touches through a map stays
+    in the process's resident memory (3 GB of a 20 GB index over a packing of 10^9 documents)."""
+
+    def __init__(self, path: Path, offset: int, n: int):
+        self.path, self.offset, self.n = path, offset, n
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        got = os.pread(self._fd, 8, self.offset + 8 * i) if 0 <= i < self.n else b""
+        if len(got) != 8:
+            raise DataLoss(f"{self.path} has no entry {i} where its header puts it: truncated while served")
+        return int.from_bytes(got, "little", signed=True)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Entries [a, b), in memory of their own."""
+        out = np.empty(max(b - a, 0), dtype="<i8")
+        if len(out) and (b > self.n or os.preadv(self._fd, [out], self.offset + 8 * a) != out.nbytes):
+            raise DataLoss(f"{self.path} ends before its entry {b - 1}: truncated while served")
+        return out.astype(np.int64, copy=False)
+
+    def __del__(self):
+        try:
+            os.close(self._fd)
+        except (OSError, AttributeError):
+            pass
+
+
+def _search(table: IdxArray, values) -> list[int]:
+    """np.searchsorted(table, values) (left), by bisection of the file's entries."""
     return [bisect.bisect_left(table, v) for v in values]
-
-
-def _read(table: np.memmap, a: int, b: int) -> np.ndarray:
-    """table[a:b] of a memory-mapped .idx array, read into memory of its own (freed with it)."""
-    out = np.empty(b - a, dtype=np.int64)
-    with open(table.filename, "rb") as f:
-        f.seek(table.offset + a * table.itemsize)
-        if f.readinto(out) != out.nbytes:
-            raise DataLoss(f"{table.filename} ends before its entry {b - 1}: truncated while served")
-    return out
 
 
 def open_megatron(path: Path, opts: Options) -> Reader:

@@ -133,9 +133,11 @@ def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, ep
     return out
 
 
-def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit", boundaries: bool = False) -> dict:
+def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit", boundaries: bool = False,
+                        permutation: str = "torch") -> dict:
     """One fresh feeder process over a Megatron prefix; rank 0 of 8 takes its first batch of
-    seq_len 4096 (best-fit bins: the packing is built first, unless the cache holds it)."""
+    seq_len 4096 (best-fit bins: the packing is built first, unless the cache holds it; then,
+    with torch's order, the order of the bins: 2.4·10^8 of them at 10^9 documents)."""
     from feeder_client import FeederDataset
 
     f = Feeder(str(prefix), message_bytes=1 << 20, extra=["--vocab-size", "256", "--eos-id", "0", "--cache-dir",
@@ -143,7 +145,8 @@ def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit",
     peak = _Peak(f.proc.pid)
     try:
         ds = FeederDataset([f.address], job="pack", rank=0, world_size=8, seq_len=PACK_SEQ, micro_batch=1,
-                           packing=packing, boundaries=boundaries, retry_for_s=3600, idle_timeout_s=120)
+                           packing=packing, boundaries=boundaries, permutation=permutation, retry_for_s=3600,
+                           idle_timeout_s=120)
         t0 = time.perf_counter()
         next(iter(ds))
         took = time.perf_counter() - t0
@@ -201,7 +204,8 @@ def pack_figures(cfg: BenchConfig, root: Path | None = None, sizes=None) -> list
                    bins=stats["bins"], blocks=stats["blocks"], cpu_s=stats["read_s"] + stats["cpu_pack_s"])
         say(f"scale: packing {n:.0e} documents: a second feeder on the built cache")
         again = _packed_first_batch(prefix, cache)
-        row.update(again_first_batch_s=again["first_batch_s"], again_peak_rss_mb=again["feeder_peak_rss_mb"])
+        row.update(again_first_batch_s=again["first_batch_s"], again_peak_rss_mb=again["feeder_peak_rss_mb"],
+                   again_peak_anon_mb=again["feeder_peak_anon_mb"])
         shutil.rmtree(cache)
         if n <= 10**8:
             for w in (1, 2):
@@ -211,10 +215,12 @@ def pack_figures(cfg: BenchConfig, root: Path | None = None, sizes=None) -> list
                 shutil.rmtree(root / f"cache-{n}-{w}")
         rows.append(row)
         if n == sizes[-1]:
-            say(f"scale: concat with boundaries over {n:.0e} documents: first batch of a fresh feeder")
-            rows.append({"documents": n, "concat_boundaries": True,
-                         **_packed_first_batch(prefix, root / "cache-concat", packing="concat", boundaries=True)})
-            shutil.rmtree(root / "cache-concat")
+            for perm in ("stateless", "torch"):   # (torch's order of 2.4·10^8 windows is built first)
+                say(f"scale: concat with boundaries over {n:.0e} documents, {perm} order: first batch, fresh feeder")
+                rows.append({"documents": n, "concat_boundaries": True, "order": perm,
+                             **_packed_first_batch(prefix, root / "cache-concat", packing="concat", boundaries=True,
+                                                   permutation=perm)})
+                shutil.rmtree(root / "cache-concat")
         for path in (f"{prefix}.idx", f"{prefix}.bin"):   # (the index is real: 20 GB at 10^9)
             os.unlink(path)
     return rows
@@ -224,14 +230,16 @@ def pack_table(rows: list[dict]) -> str:
     lines = ["documents  first batch  build (threads)   per 10^6 docs  1 thread  2 threads  peak RSS   padding   again"]
     for r in rows:
         if r.get("concat_boundaries"):
-            lines.append(f"{r['documents']:.0e}      concat + boundaries: first batch {r['first_batch_s']:.2f} s, "
-                         f"peak RSS {r['feeder_peak_rss_mb']:.0f} MB")
+            lines.append(f"{r['documents']:.0e}      concat + boundaries, {r['order']} order: first batch "
+                         f"{r['first_batch_s']:.2f} s, peak RSS {r['feeder_peak_rss_mb']:.0f} MB, anon "
+                         f"{r['feeder_peak_anon_mb']:.0f} MB")
             continue
         per = r["build_s"] / r["documents"] * 1e6
         one = f"{r['build_1_thread_s']:.1f} s" if "build_1_thread_s" in r else "-"
         two = f"{r['build_2_thread_s']:.1f} s" if "build_2_thread_s" in r else "-"
         lines.append(f"{r['documents']:.0e}   {r['first_batch_s']:>9.1f} s  {r['build_s']:>6.1f} s ({r['workers']})"
                      f"  {per:>10.2f} s  {one:>8}  {two:>9}  {r['feeder_peak_rss_mb']:>5.0f} MB"
+                     f" ({r['feeder_peak_anon_mb']:.0f} anon)"
                      f"  {100 * r['padding_fraction']:.4f}%  {r['again_first_batch_s']:.2f} s")
     return "\n".join(lines)
 

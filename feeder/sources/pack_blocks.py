@@ -51,7 +51,7 @@ class PackingConfig:
     # build's memory is a few blocks whatever the corpus, SIGTERM is heard within a block, and
     # a block's padding is that of a whole-corpus pass to within 0.01 percentage point (docs/scale.md).
     block_tokens: int = 1 << 30
-    workers: int = 0                  # threads packing blocks in this process; 0: one per core
+    workers: int = 0                  # threads packing blocks in this process; 0: one per core it may use
 
     def __post_init__(self):
         if self.block_tokens < 1:
@@ -60,7 +60,7 @@ class PackingConfig:
             raise ValueError(f"workers: got {self.workers}, expected >= 0 (0: one per core)")
 
     def threads(self, n_blocks: int) -> int:
-        return max(1, min(n_blocks, self.workers or os.cpu_count() or 1))
+        return max(1, min(n_blocks, self.workers or len(os.sched_getaffinity(0))))
 
 
 class Stopped(Exception):

@@ -95,8 +95,8 @@ class MegatronFiles(TokenFiles):
         size = self.dtype.itemsize
         lo = ci * self.chunk_tokens
         hi = lo + self.shards[si].chunk_tokens[ci]
-        seqs = _search(pointers, (lo * size, hi * size))                     # sequences starting in the chunk
-        docs = _search(first_seq, seqs)                                      # documents starting with one of them
+        seqs = pointers.search((lo * size, hi * size))                       # sequences starting in the chunk
+        docs = first_seq.search(seqs)                                        # documents starting with one of them
         return self._starts(si, docs[0], docs[1]) - lo
 
     def _starts(self, si: int, d0: int, d1: int) -> np.ndarray:
@@ -121,8 +121,8 @@ class MegatronFiles(TokenFiles):
             base = int(ends[si - 1]) if si else 0
             pointers, first_seq = self._index(si)
             a, b = max(lo, base) - base, min(hi, int(ends[si])) - base
-            seqs = _search(pointers, (a * size, b * size))
-            docs = _search(first_seq, seqs)
+            seqs = pointers.search((a * size, b * size))
+            docs = first_seq.search(seqs)
             parts.append(self._starts(si, docs[0], docs[1]) + base)
             if docs[1] < len(first_seq):            # the next document starts in this file
                 end = int(pointers[int(first_seq[docs[1]])]) // size + base
@@ -139,38 +139,50 @@ class IdxArray:
     for a block. Not a memory map: numpy searches the index's arrays (at offsets that are not
     multiples of 8) only after copying them whole, 800 MB per search at 10^8 documents (what
     made a packing take hours), and every page a search or a read touches through a map stays
-    in the process's resident memory (3 GB of a 20 GB index over a packing of 10^9 documents)."""
+    in the process's resident memory (3 GB of a 20 GB index over a packing of 10^9 documents).
+    The file is opened per call, not held: a dataset may be thousands of prefixes."""
 
     def __init__(self, path: Path, offset: int, n: int):
         self.path, self.offset, self.n = path, offset, n
-        self._fd = os.open(path, os.O_RDONLY)
 
     def __len__(self) -> int:
         return self.n
 
+    def search(self, values) -> list[int]:
+        """np.searchsorted(self, values) (left), by bisection of the file's entries."""
+        with open(self.path, "rb", buffering=0) as f:
+            at = _Entries(self, f.fileno())
+            return [bisect.bisect_left(at, v) for v in values]
+
     def __getitem__(self, i: int) -> int:
-        got = os.pread(self._fd, 8, self.offset + 8 * i) if 0 <= i < self.n else b""
-        if len(got) != 8:
-            raise DataLoss(f"{self.path} has no entry {i} where its header puts it: truncated while served")
-        return int.from_bytes(got, "little", signed=True)
+        with open(self.path, "rb", buffering=0) as f:
+            return _Entries(self, f.fileno())[i]
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Entries [a, b), in memory of their own."""
         out = np.empty(max(b - a, 0), dtype="<i8")
-        if len(out) and (b > self.n or os.preadv(self._fd, [out], self.offset + 8 * a) != out.nbytes):
-            raise DataLoss(f"{self.path} ends before its entry {b - 1}: truncated while served")
+        if len(out):
+            with open(self.path, "rb", buffering=0) as f:
+                if b > self.n or os.preadv(f.fileno(), [out], self.offset + 8 * a) != out.nbytes:
+                    raise DataLoss(f"{self.path} ends before its entry {b - 1}: truncated while served")
         return out.astype(np.int64, copy=False)
 
-    def __del__(self):
-        try:
-            os.close(self._fd)
-        except (OSError, AttributeError):
-            pass
 
+class _Entries:
+    """An IdxArray's entries through one open file, as bisect reads them."""
 
-def _search(table: IdxArray, values) -> list[int]:
-    """np.searchsorted(table, values) (left), by bisection of the file's entries."""
-    return [bisect.bisect_left(table, v) for v in values]
+    def __init__(self, table: IdxArray, fd: int):
+        self.table, self.fd = table, fd
+
+    def __len__(self) -> int:
+        return self.table.n
+
+    def __getitem__(self, i: int) -> int:
+        t = self.table
+        got = os.pread(self.fd, 8, t.offset + 8 * i) if 0 <= i < t.n else b""
+        if len(got) != 8:
+            raise DataLoss(f"{t.path} has no entry {i} where its header puts it: truncated while served")
+        return int.from_bytes(got, "little", signed=True)
 
 
 def open_megatron(path: Path, opts: Options) -> Reader:

@@ -15,7 +15,7 @@ so threads of this process (the C packer and numpy's gathers release the GIL) an
 feeder on the cache take blocks until none is left, and a block whose builder died (its flock
 released) is built by whoever finds it so. The last block's finder joins them, under
 `join.lock`, into the sidecar feeder.sources.packed reads (three .npy arrays and stats.json,
-written whole and renamed into place), then removes the blocks. `stop()` (SIGTERM) ends every
+written whole and put in place by feeder.sources.packed), then removes the blocks. `stop()` (SIGTERM) ends every
 build between two blocks: the blocks finished stay (a later build takes them up), nothing is
 left half-written.
 """
@@ -105,8 +105,9 @@ def pack_block(source, b: int, seq_len: int, block_tokens: int) -> tuple[dict, d
 class _Build:
     """One process's part in building one sidecar."""
 
-    def __init__(self, source, seq_len: int, where: Path, cfg: PackingConfig, note):
+    def __init__(self, source, seq_len: int, where: Path, cfg: PackingConfig, note, publish):
         self.source, self.seq_len, self.where, self.cfg, self.note = source, seq_len, where, cfg, note
+        self.publish = publish
         self.parts = where.parent / f"{where.name}.blocks"
         self.n = n_blocks(source.n_tokens, cfg.block_tokens)
         self._lock = threading.Lock()
@@ -218,11 +219,7 @@ class _Build:
             self.note(f"joining {self.n:,} blocks", 1.0)
             tmp = Path(tempfile.mkdtemp(prefix=f".{self.where.name}.", dir=self.where.parent))
             try:
-                stats = self._write_joined(tmp)
-                (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-                _fsync_dir(tmp)
-                os.rename(tmp, self.where)
-                _fsync_dir(self.where.parent)
+                self.publish(tmp, self.where, self._write_joined(tmp))
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -266,21 +263,15 @@ class _Build:
                 "digest": h.hexdigest()}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def build(source, seq_len: int, where: Path, cfg: PackingConfig, note) -> dict:
+def build(source, seq_len: int, where: Path, cfg: PackingConfig, note, publish) -> dict:
     """Take part in building the sidecar `where` of source's bins at seq_len: blocks on
     cfg.threads() threads, with every other builder of it sharing the directory; returns when
-    the sidecar is in place (raises Stopped when stop() is called meanwhile). `note(text, done)` hears
-    the progress."""
+    the sidecar is in place (raises Stopped when stop() is called meanwhile). `note(text, done)`
+    hears the progress; `publish(tmp, where, stats)` (feeder.sources.packed, which owns the sidecar's
+    figures and how a cache entry is put in place) writes the figures into the directory `tmp`
+    that holds the joined arrays and moves it to `where`, whole."""
     t0 = time.perf_counter()
-    b = _Build(source, seq_len, where, cfg, note)
+    b = _Build(source, seq_len, where, cfg, note, publish)
     with _active_lock:
         _active.add(b)
     try:

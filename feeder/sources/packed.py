@@ -213,7 +213,7 @@ def build(source, seq_len: int, where: Path) -> dict:
     preparing.note(name, f"{name}: starting", 0.0)
     try:
         ran = pack_blocks.build(source, seq_len, where, _config,
-                                lambda what, done: preparing.note(name, f"{name}: {what}", done))
+                                lambda what, done: preparing.note(name, f"{name}: {what}", done), _publish)
     except pack_blocks.Stopped:
         raise Unavailable(f"the feeder is stopping: {name} was stopped (resume elsewhere)") from None
     finally:
@@ -222,6 +222,24 @@ def build(source, seq_len: int, where: Path) -> dict:
     log.info("packed %s (%d of its blocks here)", describe({"dataset": getattr(source, "name", "?"), **stats}),
              ran["built_here"])
     return stats
+
+
+def _publish(tmp: Path, where: Path, stats: dict) -> None:
+    """The joined arrays in `tmp` (fsynced) and their figures become the sidecar `where`: the
+    figures written, the directory fsynced, renamed into place, its parent fsynced (a host crash
+    leaves it whole or absent)."""
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    _fsync(tmp)
+    os.rename(tmp, where)
+    _fsync(where.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def describe(stats: dict) -> str:

@@ -159,6 +159,8 @@ def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit",
 
 _BUILD = """
 import json, resource, sys, time
+from feeder.core.malloc import keep_freed_memory
+keep_freed_memory()   # as `feeder serve` does (a block's arrays from the heap, not fresh mmaps)
 from feeder.sources import packed
 from feeder.sources.formats import Options, open_any
 from feeder.sources.pack_blocks import PackingConfig

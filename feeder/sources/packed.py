@@ -1,11 +1,14 @@
 """A source's samples as best-fit bins (`packing="best_fit"`): the sidecar, built once, and the
 table a StreamPlan reads bins from.
 
-The packing (feeder.layout.best_fit) is a pure function of the source's documents and seq_len,
-so it is built once per (source fingerprint, seq_len) and kept in the cache directory as three
+The packing (feeder.layout.best_fit over each block of documents: feeder.sources.pack_blocks,
+which builds it on every core and with every feeder sharing the directory) is a pure function
+of the source's documents, seq_len and the block size, so it is built once per (source
+fingerprint, seq_len) and kept in the cache directory as three
 narrow arrays (`.npy`, memory-mapped: bin pointers, piece starts, piece lengths) and a JSON of
 its figures; every process and every feeder that shares the directory maps the one copy, and a
-feeder elsewhere builds the same bytes. Its identity (source fingerprint, seq_len, packer) is
+feeder elsewhere builds the same bytes. Its identity (source fingerprint, seq_len, packer, block
+size) is
 the fingerprint of every packed stream's cursors, so a cursor of `concat` samples, of another
 seq_len or of another packer never resumes a packed stream.
 

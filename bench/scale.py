@@ -110,16 +110,17 @@ class _Peak:
 
 
 def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, epoch_samples: int = 0,
-                 extra=()) -> dict:
-    """One fresh feeder process; rank 0 of 8 takes its first batch."""
+                 extra=(), **stream) -> dict:
+    """One fresh feeder process; rank 0 of 8 takes its first batch (`stream`: FeederDataset's
+    other arguments: seq_len, micro_batch, packing, boundaries)."""
     from feeder_client import FeederDataset
 
     f = Feeder(source, message_bytes=1 << 20, extra=["--vocab-size", "256", "--eos-id", "0", "--cache-dir",
                                                       str(cache), *extra])
     peak = _Peak(f.proc.pid)
     try:
-        ds = FeederDataset([f.address], job="scale", rank=0, world_size=8, seq_len=SEQ, micro_batch=8,
-                           permutation=permutation, mixture=mixture, epoch_samples=epoch_samples, retry_for_s=600,
+        ds = FeederDataset([f.address], job="scale", rank=0, world_size=8, **{"seq_len": SEQ, "micro_batch": 8, **stream},
+                           permutation=permutation, mixture=mixture, epoch_samples=epoch_samples, retry_for_s=3600,
                            idle_timeout_s=60)
         t0 = time.perf_counter()
         batch = next(iter(ds))
@@ -135,26 +136,12 @@ def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, ep
 
 def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit", boundaries: bool = False,
                         permutation: str = "torch") -> dict:
-    """One fresh feeder process over a Megatron prefix; rank 0 of 8 takes its first batch of
-    seq_len 4096 (best-fit bins: the packing is built first, unless the cache holds it; then,
-    with torch's order, the order of the bins: 2.4·10^8 of them at 10^9 documents)."""
-    from feeder_client import FeederDataset
-
-    f = Feeder(str(prefix), message_bytes=1 << 20, extra=["--vocab-size", "256", "--eos-id", "0", "--cache-dir",
-                                                           str(cache)])
-    peak = _Peak(f.proc.pid)
-    try:
-        ds = FeederDataset([f.address], job="pack", rank=0, world_size=8, seq_len=PACK_SEQ, micro_batch=1,
-                           packing=packing, boundaries=boundaries, permutation=permutation, retry_for_s=3600,
-                           idle_timeout_s=120)
-        t0 = time.perf_counter()
-        next(iter(ds))
-        took = time.perf_counter() - t0
-        ds.client.close()
-        return {"first_batch_s": took, "feeder_peak_rss_mb": peak.hwm_mb(), "feeder_peak_anon_mb": peak.anon_mb}
-    finally:
-        peak.stop()
-        f.stop()
+    """A fresh feeder over a Megatron prefix, seq_len 4096 (best-fit bins: the packing is built
+    first, unless the cache holds it; then, with torch's order, the order of the bins: 2.4·10^8
+    of them at 10^9 documents)."""
+    got = _first_batch(str(prefix), cache, permutation=permutation, seq_len=PACK_SEQ, micro_batch=1, packing=packing,
+                       boundaries=boundaries)
+    return {k: got[k] for k in ("first_batch_s", "feeder_peak_rss_mb", "feeder_peak_anon_mb")}
 
 
 _BUILD = """

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,25 +277,35 @@ class _Build:
         h = hashlib.sha256()
         dtypes = {"ptr": narrow(total_pieces), "start": narrow(self.source.n_tokens), "length": np.dtype(np.uint32)}
         sizes = {"ptr": total_bins + 1, "start": total_pieces, "length": total_pieces}
-        for k in ARRAYS:
-            with open(tmp / f"{k}.npy", "wb") as f:
-                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtypes[k]),
-                                                         "fortran_order": False, "shape": (sizes[k],)})
-                offset = 0
-                for b in range(self.n):
-                    a = self._array(b, k, figures[b])
-                    if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
-                        a = a[:-1].astype(np.int64) + offset
-                        offset += pieces[b]
-                    out = np.ascontiguousarray(a, dtype=dtypes[k])
-                    h.update(out.view(np.uint8).data)
-                    f.write(out.view(np.uint8).data)
-                if k == "ptr":
-                    last = np.array([total_pieces], dtype=dtypes[k])
-                    h.update(last.view(np.uint8).data)
-                    f.write(last.view(np.uint8).data)
-                f.flush()
-                os.fsync(f.fileno())
+        # The join is the part of a build that does not divide among cores: each part is hashed on
+        # a thread of its own while it is written (both without the GIL), the next part is read
+        # meanwhile.
+        with ThreadPoolExecutor(1, thread_name_prefix="pack-hash") as hasher:
+            hashed = hasher.submit(int)
+            for k in ARRAYS:
+                with open(tmp / f"{k}.npy", "wb") as f:
+                    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtypes[k]),
+                                                             "fortran_order": False, "shape": (sizes[k],)})
+                    offset = 0
+                    for b in range(self.n):
+                        out = self._array(b, k, figures[b])
+                        if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
+                            out = out[:-1].astype(dtypes[k])
+                            out += dtypes[k].type(offset)
+                            offset += pieces[b]
+                        else:
+                            out = np.ascontiguousarray(out, dtype=dtypes[k])
+                        hashed.result()
+                        hashed = hasher.submit(h.update, out.view(np.uint8).data)
+                        f.write(out.view(np.uint8).data)
+                    if k == "ptr":
+                        last = np.array([total_pieces], dtype=dtypes[k])
+                        hashed.result()
+                        hashed = hasher.submit(h.update, last.view(np.uint8).data)
+                        f.write(last.view(np.uint8).data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            hashed.result()
         tokens = self.source.n_tokens
         return {"packer": PACKER, "seq_len": self.seq_len, "fingerprint": self.source.fingerprint,
                 "block_tokens": self.cfg.block_tokens, "blocks": self.n,

@@ -35,6 +35,52 @@ def _corpus(root: Path, n: int) -> Path:
     return path
 
 
+PACK_SIZES = (10**7, 10**8, 10**9)   # documents of the packing rows
+PACK_SEQ = 4096
+PACK_MEDIAN = 600                      # tokens: lognormal lengths (sigma 1: mean ~990), web-like
+
+
+def megatron_corpus(root: Path, n_docs: int, *, seed: int = 0, median: int = PACK_MEDIAN) -> Path:
+    """A Megatron prefix of n_docs documents: a real .idx (lognormal lengths, written in parts:
+    10^9 documents are a 20 GB index, never whole in memory) and a sparse .bin of zeros (costs no
+    disk). Returns the prefix (PATH.idx + PATH.bin)."""
+    import struct
+
+    import numpy as np
+
+    from feeder.sources.formats.megatron import MAGIC
+
+    prefix = root / f"megatron-{n_docs}"
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    if idx.exists() and bin_.exists():
+        return prefix
+    rng = np.random.default_rng(seed)
+    part = 1 << 24
+    tmp = idx.with_suffix(".idx.tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<QBQQ", 1, 8, n_docs, n_docs + 1))   # version 1, uint16, sequences, documents
+        f.truncate(f.tell() + 12 * n_docs + 8 * (n_docs + 1))
+        lengths_at, pointers_at = f.tell(), f.tell() + 4 * n_docs
+        total = 0
+        for a in range(0, n_docs, part):
+            n = min(part, n_docs - a)
+            lengths = np.maximum(1, rng.lognormal(np.log(median), 1.0, n)).astype("<i4")
+            pointers = (np.cumsum(lengths, dtype=np.int64) - lengths + total) * 2
+            total += int(lengths.sum(dtype=np.int64))
+            f.seek(lengths_at + 4 * a)
+            f.write(lengths.tobytes())
+            f.seek(pointers_at + 8 * a)
+            f.write(pointers.astype("<i8").tobytes())
+        docs_at = pointers_at + 8 * n_docs
+        for a in range(0, n_docs + 1, part):
+            f.seek(docs_at + 8 * a)
+            f.write(np.arange(a, min(a + part, n_docs + 1), dtype="<i8").tobytes())
+    with open(bin_, "wb") as f:
+        f.truncate(total * 2)
+    os.rename(tmp, idx)
+    return prefix
+
+
 class _Peak:
     """Samples a process's anonymous resident memory (its peak: VmHWM covers file pages too)."""
 
@@ -64,16 +110,17 @@ class _Peak:
 
 
 def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, epoch_samples: int = 0,
-                 extra=()) -> dict:
-    """One fresh feeder process; rank 0 of 8 takes its first batch."""
+                 extra=(), **stream) -> dict:
+    """One fresh feeder process; rank 0 of 8 takes its first batch (`stream`: FeederDataset's
+    other arguments: seq_len, micro_batch, packing, boundaries)."""
     from feeder_client import FeederDataset
 
     f = Feeder(source, message_bytes=1 << 20, extra=["--vocab-size", "256", "--eos-id", "0", "--cache-dir",
                                                       str(cache), *extra])
     peak = _Peak(f.proc.pid)
     try:
-        ds = FeederDataset([f.address], job="scale", rank=0, world_size=8, seq_len=SEQ, micro_batch=8,
-                           permutation=permutation, mixture=mixture, epoch_samples=epoch_samples, retry_for_s=600,
+        ds = FeederDataset([f.address], job="scale", rank=0, world_size=8, **{"seq_len": SEQ, "micro_batch": 8, **stream},
+                           permutation=permutation, mixture=mixture, epoch_samples=epoch_samples, retry_for_s=3600,
                            idle_timeout_s=60)
         t0 = time.perf_counter()
         batch = next(iter(ds))
@@ -85,6 +132,106 @@ def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, ep
         peak.stop()
         f.stop()
     return out
+
+
+def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit", boundaries: bool = False,
+                        permutation: str = "torch") -> dict:
+    """A fresh feeder over a Megatron prefix, seq_len 4096 (best-fit bins: the packing is built
+    first, unless the cache holds it; then, with torch's order, the order of the bins: 2.4·10^8
+    of them at 10^9 documents)."""
+    got = _first_batch(str(prefix), cache, permutation=permutation, seq_len=PACK_SEQ, micro_batch=1, packing=packing,
+                       boundaries=boundaries)
+    return {k: got[k] for k in ("first_batch_s", "feeder_peak_rss_mb", "feeder_peak_anon_mb")}
+
+
+_BUILD = """
+import json, resource, sys, time
+from feeder.core.malloc import keep_freed_memory
+keep_freed_memory()   # as `feeder serve` does (a block's arrays from the heap, not fresh mmaps)
+from feeder.sources import packed
+from feeder.sources.formats import Options, open_any
+from feeder.sources.pack_blocks import PackingConfig
+packed.use_directory(sys.argv[2])
+packed.configure(PackingConfig(workers=int(sys.argv[3])))
+t0 = time.perf_counter()
+t = packed.packed(open_any(sys.argv[1], Options(vocab_size=256, eos_id=0), name="m"), int(sys.argv[4]))
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"build_s": time.perf_counter() - t0, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024}))
+"""
+
+
+def _build_alone(prefix: Path, cache: Path, workers: int) -> dict:
+    """The packing built by a process of its own on `workers` threads (the cores' speed-up)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BUILD, str(prefix), str(cache), str(workers), str(PACK_SEQ)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def pack_figures(cfg: BenchConfig, root: Path | None = None, sizes=None) -> list[dict]:
+    """Best-fit packing of Megatron corpora of 10^7, 10^8 (and 10^9: FEEDER_SCALE_PACK_1E9=1, a
+    20 GB index and a 13 GB sidecar) documents: a fresh feeder's first batch (the packing built
+    on all cores), its build time, peak RSS and padding; the build on 1 and on 2 threads; a
+    second feeder on the built cache; `concat` with boundaries at the largest size."""
+    import json
+    import shutil
+
+    root = Path(root or tempfile.mkdtemp(prefix="feeder-pack-", dir=os.environ.get("FEEDER_SCALE_DIR")))
+    if sizes is None:
+        sizes = PACK_SIZES[:1] if cfg.quick else \
+            PACK_SIZES if os.environ.get("FEEDER_SCALE_PACK_1E9") else PACK_SIZES[:2]
+    rows = []
+    for n in sizes:
+        prefix = megatron_corpus(root, n)
+        cache = root / f"cache-{n}"
+        say(f"scale: packing {n:.0e} documents (seq_len {PACK_SEQ}): first batch of a fresh feeder")
+        row = {"documents": n, **_packed_first_batch(prefix, cache)}
+        stats = json.loads(next((cache / "packing").glob("*/stats.json")).read_text())
+        row.update(build_s=stats["build_s"], workers=stats["workers"], padding_fraction=stats["padding_fraction"],
+                   bins=stats["bins"], blocks=stats["blocks"], cpu_s=stats["read_s"] + stats["cpu_pack_s"])
+        say(f"scale: packing {n:.0e} documents: a second feeder on the built cache")
+        again = _packed_first_batch(prefix, cache)
+        row.update(again_first_batch_s=again["first_batch_s"], again_peak_rss_mb=again["feeder_peak_rss_mb"],
+                   again_peak_anon_mb=again["feeder_peak_anon_mb"])
+        shutil.rmtree(cache)
+        if n <= 10**8:
+            for w in (1, 2):
+                say(f"scale: packing {n:.0e} documents on {w} thread(s), a process of its own")
+                got = _build_alone(prefix, root / f"cache-{n}-{w}", w)
+                row[f"build_{w}_thread_s"] = got["build_s"]
+                shutil.rmtree(root / f"cache-{n}-{w}")
+        rows.append(row)
+        if n == sizes[-1]:
+            for perm in ("stateless", "torch"):   # (torch's order of 2.4·10^8 windows is built first)
+                say(f"scale: concat with boundaries over {n:.0e} documents, {perm} order: first batch, fresh feeder")
+                rows.append({"documents": n, "concat_boundaries": True, "order": perm,
+                             **_packed_first_batch(prefix, root / "cache-concat", packing="concat", boundaries=True,
+                                                   permutation=perm)})
+                shutil.rmtree(root / "cache-concat")
+        for path in (f"{prefix}.idx", f"{prefix}.bin"):   # (the index is real: 20 GB at 10^9)
+            os.unlink(path)
+    return rows
+
+
+def pack_table(rows: list[dict]) -> str:
+    lines = ["documents  first batch  build (threads)   per 10^6 docs  1 thread  2 threads  peak RSS   padding   again"]
+    for r in rows:
+        if r.get("concat_boundaries"):
+            lines.append(f"{r['documents']:.0e}      concat + boundaries, {r['order']} order: first batch "
+                         f"{r['first_batch_s']:.2f} s, peak RSS {r['feeder_peak_rss_mb']:.0f} MB, anon "
+                         f"{r['feeder_peak_anon_mb']:.0f} MB")
+            continue
+        per = r["build_s"] / r["documents"] * 1e6
+        one = f"{r['build_1_thread_s']:.1f} s" if "build_1_thread_s" in r else "-"
+        two = f"{r['build_2_thread_s']:.1f} s" if "build_2_thread_s" in r else "-"
+        lines.append(f"{r['documents']:.0e}   {r['first_batch_s']:>9.1f} s  {r['build_s']:>6.1f} s ({r['workers']})"
+                     f"  {per:>10.2f} s  {one:>8}  {two:>9}  {r['feeder_peak_rss_mb']:>5.0f} MB"
+                     f" ({r['feeder_peak_anon_mb']:.0f} anon)"
+                     f"  {100 * r['padding_fraction']:.4f}%  {r['again_first_batch_s']:.2f} s")
+    return "\n".join(lines)
 
 
 def scale_figures(cfg: BenchConfig, root: Path | None = None) -> dict:
@@ -116,7 +263,7 @@ def scale_figures(cfg: BenchConfig, root: Path | None = None) -> dict:
                **_first_batch(f"a={a}", cache, permutation="stateless", mixture={"a": 0.7, "b": 0.3},
                               epoch_samples=n, extra=["--source", f"b={b}"])}
         rows.append(row)
-    return {"scale": rows, "orders_tokens_s": _orders_tokens_s(cfg)}
+    return {"scale": rows, "orders_tokens_s": _orders_tokens_s(cfg), "packing_scale": pack_figures(cfg, root)}
 
 
 def _orders_tokens_s(cfg: BenchConfig) -> dict:
@@ -152,6 +299,8 @@ def scale_table(res: dict) -> str:
                  if "again_first_batch_s" in r else "")
         lines.append(f"{what:<14} {r['order']:<10} {r['first_batch_s']:>9.2f} s {r['feeder_peak_rss_mb']:>7.0f} MB "
                      f"{r['feeder_peak_anon_mb']:>8.0f} MB   {again}")
+    if res.get("packing_scale"):
+        lines.append(pack_table(res["packing_scale"]))
     o = res.get("orders_tokens_s")
     if o:
         lines.append(f"bench corpus: stateless {o['stateless_tokens_s'] / 1e6:.1f} M tokens/s, torch "

@@ -1054,14 +1054,67 @@ static int64_t room_at_least(const rooms_t *t, uint64_t s) {   /* the smallest o
     return -1;
 }
 
+/* Best-fit decreasing of n items (lengths 1..cap-1) into bins of cap: order[] the items in bin
+ * order, ptr[] the bins as CSR; the number of bins. Needs no GIL. Scratch: bin_of, sorted and
+ * next [n], pos and head [cap + 1], l0 [cap/64 + 1] and l1 [cap/4096 + 2], l0 and l1 zeroed. */
+typedef struct {
+    int64_t *bin_of, *sorted, *pos;
+    rooms_t t;
+} bfd_scratch_t;
+
+static int bfd_alloc(bfd_scratch_t *w, Py_ssize_t n, Py_ssize_t cap) {
+    w->t.words = (cap >> 6) + 1;
+    w->bin_of = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
+    w->sorted = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
+    w->pos = PyMem_RawCalloc(cap + 1, sizeof(int64_t));
+    w->t.next = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
+    w->t.head = PyMem_RawMalloc((cap + 1) * sizeof(int64_t));
+    w->t.l0 = PyMem_RawCalloc(w->t.words, sizeof(uint64_t));
+    w->t.l1 = PyMem_RawCalloc(((w->t.words + 63) >> 6) + 1, sizeof(uint64_t));
+    return w->bin_of && w->sorted && w->pos && w->t.next && w->t.head && w->t.l0 && w->t.l1;
+}
+
+static void bfd_free(bfd_scratch_t *w) {
+    PyMem_RawFree(w->bin_of); PyMem_RawFree(w->sorted); PyMem_RawFree(w->pos); PyMem_RawFree(w->t.next);
+    PyMem_RawFree(w->t.head); PyMem_RawFree(w->t.l0); PyMem_RawFree(w->t.l1);
+}
+
+static int64_t bfd_core(bfd_scratch_t *w, const uint32_t *len, Py_ssize_t n, Py_ssize_t cap, int64_t *order,
+                        int64_t *ptr) {
+    int64_t *bin_of = w->bin_of, *sorted = w->sorted, *pos = w->pos, *fill, n_bins = 0;
+    rooms_t *t = &w->t;
+    /* counting sort, longest first, ties in index order */
+    for (Py_ssize_t i = 0; i < n; i++) pos[len[i]]++;
+    int64_t at = 0;
+    for (Py_ssize_t l = cap; l >= 1; l--) { int64_t c = pos[l]; pos[l] = at; at += c; }
+    for (Py_ssize_t i = 0; i < n; i++) sorted[pos[len[i]]++] = i;
+    for (Py_ssize_t r = 0; r <= cap; r++) t->head[r] = -1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t i = sorted[j];
+        uint64_t s = len[i];
+        int64_t r = room_at_least(t, s), b;
+        if (r < 0) { b = n_bins++; r = cap; }
+        else b = room_pop(t, (uint64_t)r);
+        bin_of[i] = b;
+        if ((uint64_t)r > s) room_push(t, b, (uint64_t)r - s);
+    }
+    /* the bins as CSR, each bin's items in the order they went in */
+    for (int64_t b = 0; b <= n_bins; b++) ptr[b] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) ptr[bin_of[i] + 1]++;
+    for (int64_t b = 0; b < n_bins; b++) ptr[b + 1] += ptr[b];
+    fill = t->next;   /* (free now: reused as each bin's next slot) */
+    for (int64_t b = 0; b < n_bins; b++) fill[b] = ptr[b];
+    for (Py_ssize_t j = 0; j < n; j++) { int64_t i = sorted[j]; order[fill[bin_of[i]]++] = i; }
+    return n_bins;
+}
+
 static PyObject *best_fit(PyObject *self, PyObject *args) {
     Py_buffer len_b, order_b, ptr_b;
     Py_ssize_t cap;
     if (!PyArg_ParseTuple(args, "y*nw*w*", &len_b, &cap, &order_b, &ptr_b)) return NULL;
     Py_ssize_t n = len_b.len / 4;
     PyObject *result = NULL;
-    int64_t *bin_of = NULL, *sorted = NULL, *pos = NULL, *fill = NULL;
-    rooms_t t = {0};
+    bfd_scratch_t w = {0};
     if (cap < 2 || len_b.len % 4 || order_b.len != n * 8 || ptr_b.len != (n + 1) * 8) {
         PyErr_SetString(PyExc_ValueError, "best_fit(lengths u4[n], capacity >= 2, order i8[n] out, ptr i8[n + 1] out)");
         goto done;
@@ -1072,48 +1125,86 @@ static PyObject *best_fit(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "best_fit: item %zd has length %u, expected 1..%zd", i, len[i], cap - 1);
             goto done;
         }
-    t.words = (cap >> 6) + 1;
-    bin_of = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
-    sorted = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
-    pos = PyMem_Calloc(cap + 1, sizeof(int64_t));
-    t.next = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
-    t.head = PyMem_Malloc((cap + 1) * sizeof(int64_t));
-    t.l0 = PyMem_Calloc(t.words, sizeof(uint64_t));
-    t.l1 = PyMem_Calloc(((t.words + 63) >> 6) + 1, sizeof(uint64_t));
-    if (!bin_of || !sorted || !pos || !t.next || !t.head || !t.l0 || !t.l1) {
+    if (!bfd_alloc(&w, n, cap)) {
         PyErr_NoMemory();
         goto done;
     }
-    int64_t *order = order_b.buf, *ptr = ptr_b.buf, n_bins = 0;
+    int64_t n_bins;
     Py_BEGIN_ALLOW_THREADS
-    /* counting sort, longest first, ties in index order */
-    for (Py_ssize_t i = 0; i < n; i++) pos[len[i]]++;
-    int64_t at = 0;
-    for (Py_ssize_t l = cap; l >= 1; l--) { int64_t c = pos[l]; pos[l] = at; at += c; }
-    for (Py_ssize_t i = 0; i < n; i++) sorted[pos[len[i]]++] = i;
-    for (Py_ssize_t r = 0; r <= cap; r++) t.head[r] = -1;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int64_t i = sorted[j];
-        uint64_t s = len[i];
-        int64_t r = room_at_least(&t, s), b;
-        if (r < 0) { b = n_bins++; r = cap; }
-        else b = room_pop(&t, (uint64_t)r);
-        bin_of[i] = b;
-        if ((uint64_t)r > s) room_push(&t, b, (uint64_t)r - s);
-    }
-    /* the bins as CSR, each bin's items in the order they went in */
-    for (int64_t b = 0; b <= n_bins; b++) ptr[b] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) ptr[bin_of[i] + 1]++;
-    for (int64_t b = 0; b < n_bins; b++) ptr[b + 1] += ptr[b];
-    fill = t.next;   /* (free now: reused as each bin's next slot) */
-    for (int64_t b = 0; b < n_bins; b++) fill[b] = ptr[b];
-    for (Py_ssize_t j = 0; j < n; j++) { int64_t i = sorted[j]; order[fill[bin_of[i]]++] = i; }
+    n_bins = bfd_core(&w, len, n, cap, order_b.buf, ptr_b.buf);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLongLong(n_bins);
 done:
-    PyMem_Free(bin_of); PyMem_Free(sorted); PyMem_Free(pos); PyMem_Free(t.next); PyMem_Free(t.head);
-    PyMem_Free(t.l0); PyMem_Free(t.l1);
+    bfd_free(&w);
     PyBuffer_Release(&len_b); PyBuffer_Release(&order_b); PyBuffer_Release(&ptr_b);
+    return result;
+}
+
+/* pack(starts i8[n], end, capacity, ptr i8[pieces + 1] out, start i8[pieces] out, length u4[pieces] out)
+ * -> bins: layout.best_fit whole (the bins of long documents' bin-sized pieces in stream order,
+ * then best-fit decreasing of the remainders), from the documents' starts to the bins, in one
+ * release of the GIL: threads packing blocks of a corpus (feeder.sources.pack_blocks) then run
+ * side by side, where numpy's many short steps between them each took the GIL back. `pieces`
+ * must be what the documents make (layout.best_fit counts it). */
+static PyObject *pack(PyObject *self, PyObject *args) {
+    Py_buffer st_b, ptr_b, start_b, len_b;
+    long long end;
+    Py_ssize_t cap;
+    if (!PyArg_ParseTuple(args, "y*Lnw*w*w*", &st_b, &end, &cap, &ptr_b, &start_b, &len_b)) return NULL;
+    Py_ssize_t n = st_b.len / 8, pieces = start_b.len / 8;
+    PyObject *result = NULL;
+    bfd_scratch_t w = {0};
+    uint32_t *item_len = NULL;
+    int64_t *item_start = NULL, *order = NULL, *iptr = NULL;
+    if (cap < 2 || st_b.len % 8 || start_b.len % 8 || len_b.len != pieces * 4 || ptr_b.len != (pieces + 1) * 8) {
+        PyErr_SetString(PyExc_ValueError, "pack(starts i8[n], end, capacity >= 2, ptr i8[p + 1] out, start i8[p] out, "
+                                          "length u4[p] out)");
+        goto done;
+    }
+    item_len = PyMem_RawMalloc((n ? n : 1) * sizeof(uint32_t));
+    item_start = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
+    order = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
+    iptr = PyMem_RawMalloc((n + 1) * sizeof(int64_t));
+    if (!item_len || !item_start || !order || !iptr || !bfd_alloc(&w, n, cap)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *s = st_b.buf;
+    int64_t *ptr = ptr_b.buf, *start = start_b.buf, whole = 0, m = 0, n_bins = 0;
+    uint32_t *length = len_b.buf;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t l = (i + 1 < n ? s[i + 1] : (int64_t)end) - s[i];
+        if (l < 0) { bad = 1; break; }
+        int64_t full = l / cap, rest = l % cap;
+        if (whole + full + m + (rest > 0) > pieces) { bad = 2; break; }
+        for (int64_t k = 0; k < full; k++, whole++) {
+            ptr[whole] = whole;
+            start[whole] = s[i] + k * cap;
+            length[whole] = (uint32_t)cap;
+        }
+        if (rest) { item_start[m] = s[i] + full * cap; item_len[m] = (uint32_t)rest; m++; }
+    }
+    if (!bad && whole + m != pieces) bad = 2;
+    if (!bad) {
+        n_bins = bfd_core(&w, item_len, m, cap, order, iptr);
+        for (int64_t b = 0; b <= n_bins; b++) ptr[whole + b] = whole + iptr[b];
+        for (int64_t j = 0; j < m; j++) {
+            start[whole + j] = item_start[order[j]];
+            length[whole + j] = item_len[order[j]];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad)
+        PyErr_SetString(PyExc_ValueError, bad == 1 ? "pack: document starts are not sorted (or past the end)"
+                                                   : "pack: the pieces do not number as counted");
+    else
+        result = PyLong_FromLongLong(whole + n_bins);
+done:
+    bfd_free(&w);
+    PyMem_RawFree(item_len); PyMem_RawFree(item_start); PyMem_RawFree(order); PyMem_RawFree(iptr);
+    PyBuffer_Release(&st_b); PyBuffer_Release(&ptr_b); PyBuffer_Release(&start_b); PyBuffer_Release(&len_b);
     return result;
 }
 
@@ -1251,6 +1342,9 @@ static PyMethodDef methods[] = {
     {"pieces", pieces, METH_VARARGS, "pieces(bufs, which, offs, lens, dest, out): variable-length rows into out"},
     {"best_fit", best_fit, METH_VARARGS,
      "best_fit(lengths u4[n], capacity, order i8[n] out, ptr i8[n + 1] out) -> bins: best-fit decreasing"},
+    {"pack", pack, METH_VARARGS,
+     "pack(starts i8[n], end, capacity, ptr i8[p + 1] out, start i8[p] out, length u4[p] out) -> bins: "
+     "layout.best_fit in one call"},
     {"ids", ids, METH_VARARGS, "ids(payload, itemsize, eos) -> (lo, hi, ids + [eos] as a bytearray, or None if eos < 0)"},
     {"mac", mac_py, METH_VARARGS, "mac(key64, body) -> HMAC-SHA256 (the key already its 64-byte block)"},
     {"rows", rows_py, METH_VARARGS, "rows(pieces, skip, L, mb, itemsize) -> mb overlapping rows of L + 1 items"},

@@ -23,12 +23,15 @@ import numpy as np
 
 try:
     from feeder._native import best_fit as _best_fit   # best-fit decreasing in O(n + capacity)
+    from feeder._native import pack as _pack           # the same from the documents' starts, in one call
 except ImportError:  # no C compiler at install
-    _best_fit = None
+    _best_fit = _pack = None
 
 PACKINGS = ("concat", "best_fit")
 # The packer's identity: a change to the packing rule changes every packed stream's fingerprint.
-PACKER = "bfd/1"
+# bfd/2: best-fit decreasing per block of documents (feeder.sources.pack_blocks), the bins of
+# block 0 first; a corpus of one block has bfd/1's bins.
+PACKER = "bfd/2"
 # How a packed stream's fingerprint begins (feeder.sources.packed.identity), so a cursor of the
 # other packing is told apart from one of another replica's data (feeder.sampling_key).
 PACKED_PREFIX = "bf-"
@@ -203,8 +206,16 @@ def best_fit(doc_starts: np.ndarray, n_tokens: int, capacity: int) -> Packing:
     its remainder packed with the rest. The pieces to pack are taken longest first (ties: in
     stream order), each into the fullest bin it fits (ties: the bin that reached that fill last),
     a new bin where none does. Deterministic: a pure function of the documents and capacity."""
-    starts = np.asarray(doc_starts, dtype=np.int64)
-    lengths = np.diff(np.append(starts, n_tokens))
+    starts = np.ascontiguousarray(doc_starts, dtype=np.int64)
+    lengths = np.diff(starts, append=n_tokens)
+    if _pack is not None:   # all of it without the GIL: blocks packed on threads run side by side
+        n_pieces = int((lengths // capacity).sum()) + int(np.count_nonzero(lengths % capacity))
+        ptr = np.empty(n_pieces + 1, dtype=np.int64)
+        start = np.empty(n_pieces, dtype=np.int64)
+        length = np.empty(n_pieces, dtype=np.uint32)
+        n_bins = _pack(starts, int(n_tokens), int(capacity), ptr, start, length)
+        return Packing(capacity=capacity, ptr=ptr[:n_bins + 1].astype(narrow(n_pieces)),
+                       start=start.astype(narrow(n_tokens)), length=length)
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
     full = lengths // capacity

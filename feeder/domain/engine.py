@@ -243,6 +243,7 @@ class Engine:
         instead of waiting for the grace period to run out."""
         self.orders.stop()   # a build's loop ends within milliseconds: SIGTERM does not wait for it
         blending.stop()      # and so does a mixture's blending scan
+        packed.stop()        # and a packing's build, within a block (the blocks done stay for the next)
         for job in self.jobs.jobs.values():
             for stream in list(job.streams.values()):
                 stream.end(Unavailable(f"feeder in region {self.cfg.region} is shutting down; resume elsewhere"))

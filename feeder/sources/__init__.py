@@ -117,4 +117,18 @@ class ChunkTable(Protocol):
         """Tokens [start, start + len(out)) into out, across chunks."""
 
 
-__all__ = ["ChunkTable", "PerJob", "Plan", "PlanBase", "Source", "Pending", "PlannedRun", "Start", "Rows"]
+@runtime_checkable
+class Documents(Protocol):
+    """A source that can say where its documents lie, a token range at a time: what best-fit
+    packing (feeder.sources.packed) reads, block by block, in bounded memory. PosixSource and
+    the formats implement it, from the format's own table where it has one (Megatron's index)."""
+
+    n_tokens: int
+
+    def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """(starts, end): the sorted int64 starts of the documents that start in tokens [lo, hi),
+        and where the last of them ends (the next document's start, or n_tokens)."""
+
+
+__all__ = ["ChunkTable", "Documents", "PerJob", "Plan", "PlanBase", "Source", "Pending", "PlannedRun", "Start",
+           "Rows"]

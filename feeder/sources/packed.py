@@ -1,11 +1,14 @@
 """A source's samples as best-fit bins (`packing="best_fit"`): the sidecar, built once, and the
 table a StreamPlan reads bins from.
 
-The packing (feeder.layout.best_fit) is a pure function of the source's documents and seq_len,
-so it is built once per (source fingerprint, seq_len) and kept in the cache directory as three
+The packing (feeder.layout.best_fit over each block of documents: feeder.sources.pack_blocks,
+which builds it on every core and with every feeder sharing the directory) is a pure function
+of the source's documents, seq_len and the block size, so it is built once per (source
+fingerprint, seq_len) and kept in the cache directory as three
 narrow arrays (`.npy`, memory-mapped: bin pointers, piece starts, piece lengths) and a JSON of
 its figures; every process and every feeder that shares the directory maps the one copy, and a
-feeder elsewhere builds the same bytes. Its identity (source fingerprint, seq_len, packer) is
+feeder elsewhere builds the same bytes. Its identity (source fingerprint, seq_len, packer, block
+size) is
 the fingerprint of every packed stream's cursors, so a cursor of `concat` samples, of another
 seq_len or of another packer never resumes a packed stream.
 
@@ -18,16 +21,15 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
-from feeder.sources import preparing
-from feeder.core.errors import FailedPrecondition
-from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, best_fit
+from feeder.sources import pack_blocks, preparing
+from feeder.sources.pack_blocks import PackingConfig
+from feeder.core.errors import FailedPrecondition, Unavailable
+from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing
 from feeder.core.rows import Rows
 
 try:
@@ -38,15 +40,27 @@ except ImportError:  # no C compiler at install
 log = logging.getLogger("feeder.packing")
 
 _directory: str = ""
+_config = PackingConfig()
 _lock = threading.Lock()          # _tables and _building only: never held across a build
-_tables: dict[tuple[str, int], "PackedTable"] = {}
-_building: dict[tuple[str, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
+_tables: dict[tuple[str, int, int], "PackedTable"] = {}
+_building: dict[tuple[str, int, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
 
 
 def use_directory(cache_dir: str) -> None:
     """Where sidecars are kept: `<cache>/packing` (a server sets its cache directory)."""
     global _directory
     _directory = os.path.join(cache_dir, "packing") if cache_dir else ""
+
+
+def configure(cfg: PackingConfig) -> None:
+    """How bins are built from now on (a server's flags; tests' small blocks)."""
+    global _config
+    _config = cfg
+
+
+def stop() -> None:
+    """SIGTERM: every build in this process ends within a block, leaving only whole blocks."""
+    pack_blocks.stop()
 
 
 def directory() -> Path:
@@ -57,8 +71,10 @@ def directory() -> Path:
 
 
 def identity(fingerprint: str, seq_len: int) -> str:
-    """The fingerprint of a packed stream: the data's, the bin size and the packer's rule."""
-    return PACKED_PREFIX + hashlib.sha256(f"{fingerprint}\0{seq_len}\0{PACKER}".encode()).hexdigest()[:40]
+    """The fingerprint of a packed stream: the data's, the bin size and the packer's rule (its
+    block size among it: blocks are packed apart)."""
+    return PACKED_PREFIX + hashlib.sha256(
+        f"{fingerprint}\0{seq_len}\0{PACKER}\0{_config.block_tokens}".encode()).hexdigest()[:40]
 
 
 class PackedTable:
@@ -110,7 +126,7 @@ class PackedTable:
 def packed(source, seq_len: int) -> PackedTable:
     """The best-fit bins of `source` at seq_len: mapped from the sidecar, built first if there
     is none (once per process; the build is noted for waiting ranks and `feeder status`)."""
-    key = (source.fingerprint, seq_len)
+    key = (source.fingerprint, seq_len, _config.block_tokens)   # (the block size: tests change it)
     with _lock:
         got = _tables.get(key)
         if got is not None and got.source is source:
@@ -130,6 +146,8 @@ def packed(source, seq_len: int) -> PackedTable:
             if loaded is None:
                 raise FailedPrecondition(f"the packing of {getattr(source, 'name', '?')} at seq_len {seq_len} in "
                                          f"{where} does not read back as it was written (see the feeder's log)")
+        if loaded[0]["bins"] == 0:
+            raise FailedPrecondition(f"dataset {getattr(source, 'name', '?')} has no tokens to pack")
         table = PackedTable(source, seq_len, Packing(capacity=seq_len + 1, **loaded[1]), loaded[0])
         with _lock:
             _tables[key] = table
@@ -142,8 +160,25 @@ _ARRAYS = ("ptr", "start", "length")
 def _digest(arrays: dict) -> str:
     h = hashlib.sha256()
     for k in _ARRAYS:
-        h.update(np.ascontiguousarray(arrays[k]).view(np.uint8).reshape(-1).data)
+        a = arrays[k]
+        if isinstance(a, np.memmap):   # read from the file, not through the map: mapped pages would
+            _hash_file(h, a)           # stay in the feeder's resident memory (1.3 GB at 10^8 documents)
+        else:
+            h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
     return h.hexdigest()
+
+
+def _hash_file(h, a: np.memmap) -> None:
+    buf = bytearray(8 << 20)
+    left = a.nbytes
+    with open(a.filename, "rb", buffering=0) as f:
+        f.seek(a.offset)
+        while left:
+            got = f.readinto(memoryview(buf)[:min(left, len(buf))])
+            if not got:
+                raise ValueError(f"{a.filename} ends {left} bytes early")
+            h.update(memoryview(buf)[:got])
+            left -= got
 
 
 def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
@@ -156,6 +191,7 @@ def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
         n_bins, n_pieces = int(stats["bins"]), len(arrays["start"])
         wrong = [what for what, bad in (
             ("seq_len", stats.get("seq_len") != seq_len), ("packer", stats.get("packer") != PACKER),
+            ("block size", stats.get("block_tokens") != _config.block_tokens),
             ("source fingerprint", stats.get("fingerprint") != source.fingerprint),
             ("bin pointers", len(arrays["ptr"]) != n_bins + 1 or int(arrays["ptr"][-1]) != n_pieces),
             ("piece lengths", len(arrays["length"]) != n_pieces),
@@ -173,48 +209,50 @@ def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
 
 
 def build(source, seq_len: int, where: Path) -> dict:
-    """Pack the source's documents and write the sidecar (complete, then renamed into place)."""
-    note = f"packing {getattr(source, 'name', '?')} for seq_len {seq_len}"
-    preparing.note(note, f"{note}: reading where {source.n_documents or 'its'} documents start")
+    """Build the sidecar with every other builder sharing the directory (feeder.sources.pack_blocks:
+    blocks on every core, one builder per block), noting the progress for waiting ranks,
+    `feeder status` and the metrics."""
+    name = f"packing {getattr(source, 'name', '?')} for seq_len {seq_len}"
+    preparing.note(name, f"{name}: starting", 0.0)
     try:
-        t0 = time.perf_counter()
-        starts = source.all_doc_starts()
-        preparing.note(note, f"{note}: best-fit decreasing over {len(starts):,} documents")
-        t1 = time.perf_counter()
-        packing = best_fit(starts, source.n_tokens, seq_len + 1)
-        pack_s = time.perf_counter() - t1
-        if packing.n_bins == 0:
-            raise FailedPrecondition(f"dataset {getattr(source, 'name', '?')} has no tokens to pack")
-        lengths = np.diff(np.append(starts, source.n_tokens))
-        stats = {"packer": PACKER, "seq_len": seq_len, "fingerprint": source.fingerprint,
-                 "documents": int(len(starts)), "bins": int(packing.n_bins),
-                 "truncated": int(np.count_nonzero(lengths > seq_len + 1)),
-                 "padding_fraction": 1 - float(source.n_tokens) / (packing.n_bins * (seq_len + 1)),
-                 "read_s": t1 - t0, "pack_s": pack_s,
-                 "pack_s_per_million": pack_s / max(len(starts), 1) * 1e6,
-                 "digest": _digest({k: getattr(packing, k) for k in _ARRAYS})}
-        tmp = Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=where.parent))
-        for k in ("ptr", "start", "length"):
-            np.save(tmp / f"{k}.npy", getattr(packing, k))
-        (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-        try:
-            os.rename(tmp, where)
-        except OSError:   # another process got there first: its bins are the same
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info("packed %s", describe({"dataset": getattr(source, "name", "?"), **stats}))
-        return stats
+        ran = pack_blocks.build(source, seq_len, where, _config,
+                                lambda what, done: preparing.note(name, f"{name}: {what}", done), _publish)
+    except pack_blocks.Stopped:
+        raise Unavailable(f"the feeder is stopping: {name} was stopped (resume elsewhere)") from None
     finally:
-        preparing.finished(note)
+        preparing.finished(name)
+    stats = json.loads((where / "stats.json").read_text())
+    log.info("packed %s (%d of its blocks here)", describe({"dataset": getattr(source, "name", "?"), **stats}),
+             ran["built_here"])
+    return stats
+
+
+def _publish(tmp: Path, where: Path, stats: dict) -> None:
+    """The joined arrays in `tmp` (fsynced) and their figures become the sidecar `where`: the
+    figures written, the directory fsynced, renamed into place, its parent fsynced (a host crash
+    leaves it whole or absent)."""
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+    _fsync(tmp)
+    os.rename(tmp, where)
+    _fsync(where.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def describe(stats: dict) -> str:
     """One line of a packing's figures (`feeder status`, the log)."""
+    cpu_s = stats["read_s"] + stats["cpu_pack_s"]
     return (f"{stats.get('dataset', '?')} seq_len {stats['seq_len']}: {stats['documents']:,} documents in "
             f"{stats['bins']:,} bins, {100 * stats['padding_fraction']:.2f}% padding, {stats['truncated']:,} "
-            f"truncated (longer than a bin), packed in {stats['pack_s']:.2f} s "
-            f"({stats['pack_s_per_million']:.2f} s per 10^6 documents)")
+            f"truncated (longer than a bin), {stats['blocks']:,} blocks packed in {cpu_s:.2f} s of one core "
+            f"({cpu_s / max(stats['documents'], 1) * 1e6:.2f} s per 10^6 documents)"
+            + f", built in {stats['build_s']:.2f} s on {stats['workers']} threads")
 
 
 def built() -> list[dict]:

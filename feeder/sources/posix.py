@@ -135,9 +135,28 @@ class PosixSource:
         return got
 
     def all_doc_starts(self) -> np.ndarray:
-        """Where every document starts (what packing needs: O(documents), read once)."""
-        parts = [self.doc_starts(k) for k in range(len(self._where))]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        """Where every document starts (small corpora and tools: O(documents) in memory)."""
+        return self.doc_spans(0, self.n_tokens)[0]
+
+    def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """(`Documents`) Where the documents that start in tokens [lo, hi) start, and where the
+        last of them ends: from the chunks the range touches, each chunk's starts as doc_starts
+        finds them (a record batch's offsets, an EOS scan), then the next chunks until a document
+        starts at or past hi. A format with a table of its own overrides it (FormatSource)."""
+        lo, hi = max(0, lo), min(hi, self.n_tokens)
+        if lo >= hi:
+            return np.zeros(0, np.int64), lo
+        bounds = self.chunk_starts
+        first, last = (int(k) for k in np.searchsorted(bounds, [lo, hi - 1], side="right") - 1)
+        parts = [self.doc_starts(k) for k in range(first, last + 1)]
+        got = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        starts = got[(got >= lo) & (got < hi)]
+        after = got[got >= hi]
+        k = last + 1
+        while not len(after) and k < len(self._where):
+            after = self.doc_starts(k)
+            k += 1
+        return starts, int(after[0]) if len(after) else self.n_tokens
 
     def read(self, start: int, out: np.ndarray) -> None:
         n = len(out)

@@ -59,6 +59,13 @@ class FormatSource(PosixSource):
     def _chunk_doc_starts(self, si: int, ci: int) -> np.ndarray | None:
         return self.reader.doc_starts(si, ci)
 
+    def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """The format's own table where it has one (Megatron's index: whole arrays, not chunk by
+        chunk), else PosixSource's chunk by chunk."""
+        lo, hi = max(0, lo), min(hi, self.n_tokens)
+        got = self.reader.doc_spans(lo, hi) if lo < hi else None
+        return got if got is not None else super().doc_spans(lo, hi)
+
     def _check(self, si: int, ci: int, arr: np.ndarray) -> str:
         shard, reader = self.manifest.shards[si], self.reader
         want = shard.chunks[ci]

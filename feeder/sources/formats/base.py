@@ -67,6 +67,12 @@ class Reader:
         the served chunk), or None: the format records none, a document ends at each EOS."""
         return None
 
+    def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int] | None:
+        """Where the documents that start in served tokens [lo, hi) start (int64, sorted) and where
+        the last of them ends, read straight from the format's own table in whole arrays; None
+        where the format has no table to read so (then its chunks are asked one by one)."""
+        return None
+
     def identity(self) -> dict:
         """What decides the stream besides the shards' contents (goes into the fingerprint)."""
         return {"kind": "format", "format": self.format, "adds_eos": self.adds_eos}

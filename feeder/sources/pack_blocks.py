@@ -1,0 +1,343 @@
+"""Best-fit bins built block by block: on every core, by every feeder sharing the cache
+directory, in bounded memory (issue 35).
+
+The packing rule (docs/packing.md) is applied per block: block b holds the documents that start
+in tokens [b·B, (b + 1)·B) of the source's stream (B = `PackingConfig.block_tokens`), packed by
+feeder.core.layout.best_fit on their own; the bins are block 0's, then block 1's, ... So the bins
+are a pure function of the documents, seq_len and B, whoever built which block, and a corpus of
+at most B tokens has the bins of one whole-corpus pass. A block's documents come from the
+source's own table (`Documents.doc_spans`: Megatron's index in whole arrays), never a Python
+step per document.
+
+How a build runs: each block is written to `<sidecar>.blocks/NNNNNNN/` (complete, then renamed
+into place); one builder per block, elected by an flock on its `.lock` as orders elect theirs,
+so threads of this process (the C packer and numpy's gathers release the GIL) and every other
+feeder on the cache take blocks until none is left, and a block whose builder died (its flock
+released) is built by whoever finds it so. The last block's finder joins them, under
+`join.lock`, into the sidecar feeder.sources.packed reads (three .npy arrays and stats.json,
+written whole and put in place by feeder.sources.packed), then removes the blocks. `stop()` (SIGTERM) ends every
+build between two blocks: the blocks finished stay (a later build takes them up), nothing is
+left half-written.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from feeder.core.layout import PACKER, best_fit, narrow
+
+try:
+    from feeder._native import crc32c as _crc   # ~10 GB/s, without the GIL
+except ImportError:  # no C compiler at install
+    from zlib import crc32 as _crc
+
+log = logging.getLogger("feeder.packing")
+
+ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its digest hashes them
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackingConfig:
+    """How best-fit bins are built. `block_tokens` is part of the packing's identity (the bins
+    depend on it); `workers` is not (any number builds the same bytes)."""
+
+    # 2^30 tokens: ~10^6 web documents per block (some 15 MB of bins, ~0.3 s to pack), so a
+    # build's memory is a few blocks whatever the corpus, SIGTERM is heard within a block, and
+    # a block's padding is that of a whole-corpus pass to within 0.01 percentage point (docs/scale.md).
+    block_tokens: int = 1 << 30
+    workers: int = 0                  # threads packing blocks in this process; 0: one per core it may use
+
+    def __post_init__(self):
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens: got {self.block_tokens}, expected >= 1")
+        if self.workers < 0:
+            raise ValueError(f"workers: got {self.workers}, expected >= 0 (0: one per core)")
+
+    def threads(self, n_blocks: int) -> int:
+        return max(1, min(n_blocks, self.workers or len(os.sched_getaffinity(0))))
+
+
+class Stopped(Exception):
+    """The build was stopped (SIGTERM) between two blocks."""
+
+
+class _Torn(Exception):
+    """A block on disk is not what its builder wrote."""
+
+    def __init__(self, block: int, why: str):
+        super().__init__(f"block {block}: {why}")
+        self.block, self.why = block, why
+
+
+_active_lock = threading.Lock()
+_active: set["_Build"] = set()
+
+
+def stop() -> None:
+    """End every build under way in this process within a block (SIGTERM); a later server in
+    this process builds anew."""
+    with _active_lock:
+        for b in _active:
+            b.stopped.set()
+
+
+def n_blocks(n_tokens: int, block_tokens: int) -> int:
+    return max(1, -(-n_tokens // block_tokens))
+
+
+def pack_block(source, b: int, seq_len: int, block_tokens: int) -> tuple[dict, dict]:
+    """Block b's bins (arrays as the sidecar keeps them, `ptr` counted from the block's first
+    piece) and its figures."""
+    t0 = time.perf_counter()
+    lo = b * block_tokens
+    starts, end = source.doc_spans(lo, min(lo + block_tokens, source.n_tokens))
+    t1 = time.perf_counter()
+    p = best_fit(starts, end, seq_len + 1)
+    arrays = {"ptr": p.ptr.astype(np.uint64 if len(p.start) >= 1 << 32 else np.uint32, copy=False),
+              "start": p.start.astype(narrow(source.n_tokens), copy=False),
+              "length": p.length}
+    lengths = np.diff(np.append(starts, end))
+    figures = {"documents": int(len(starts)), "bins": int(p.n_bins), "pieces": int(len(p.start)),
+               "tokens": int(end - starts[0]) if len(starts) else 0,
+               "truncated": int(np.count_nonzero(lengths > seq_len + 1)),
+               "read_s": t1 - t0, "pack_s": time.perf_counter() - t1}
+    return arrays, figures
+
+
+class _Build:
+    """One process's part in building one sidecar."""
+
+    def __init__(self, source, seq_len: int, where: Path, cfg: PackingConfig, note, publish):
+        self.source, self.seq_len, self.where, self.cfg, self.note = source, seq_len, where, cfg, note
+        self.publish = publish
+        self.parts = where.parent / f"{where.name}.blocks"
+        self.n = n_blocks(source.n_tokens, cfg.block_tokens)
+        self._lock = threading.Lock()
+        self._next = 0
+        self.elsewhere: list[int] = []        # blocks another builder held when this one came to them
+        self.built_here = 0
+        self.errors: list[BaseException] = []
+        self.stopped = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def block_dir(self, b: int) -> Path:
+        return self.parts / f"{b:07d}"
+
+    def run(self) -> None:
+        self.parts.mkdir(parents=True, exist_ok=True)
+        threads = [threading.Thread(target=self._work, name=f"pack-{k}", daemon=True)
+                   for k in range(self.cfg.threads(self.n))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+        for b in sorted(self.elsewhere):      # held by another builder: wait, or build if it died
+            self._take(b, wait=True)
+        self._join()
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    b, self._next = self._next, self._next + 1
+                if b >= self.n or self.errors:
+                    return
+                if not self._take(b, wait=False):
+                    with self._lock:
+                        self.elsewhere.append(b)
+        except BaseException as e:   # (Stopped, disk full): the build ends with it
+            with self._lock:
+                self.errors.append(e)
+
+    def _take(self, b: int, *, wait: bool) -> bool:
+        """Build block b unless it is there: False when another builder holds it (wait=False)."""
+        done = self.block_dir(b)
+        while True:
+            if self.stopped.is_set():
+                raise Stopped()
+            if done.is_dir() or (self.where / "stats.json").is_file():
+                return True
+            with open(self.parts / f"{b:07d}.lock", "a+b") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if not wait:
+                        return False
+                    self._progress()
+                    time.sleep(0.1)
+                    continue
+                if not done.is_dir():
+                    self._write_block(b, done)
+                return True
+
+    def _write_block(self, b: int, done: Path) -> None:
+        arrays, figures = pack_block(self.source, b, self.seq_len, self.cfg.block_tokens)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{b:07d}.", dir=self.parts))
+        try:
+            for k in ARRAYS:
+                np.save(tmp / f"{k}.npy", arrays[k])
+            (tmp / "figures.json").write_text(json.dumps({**figures, "check": _check(arrays)}))
+            os.rename(tmp, done)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with self._lock:
+            self.built_here += 1
+        self._progress()
+
+    def _progress(self) -> None:
+        try:
+            have = sum(1 for e in os.scandir(self.parts) if e.is_dir() and not e.name.startswith("."))
+        except FileNotFoundError:   # joined by another builder
+            return
+        self.note(f"block {have:,} of {self.n:,} ({self.built_here:,} built here)", have / self.n)
+
+    def _join(self) -> None:
+        """The blocks, in order, into the sidecar (written whole, then renamed into place), once:
+        whoever holds join.lock first; the others find the sidecar there."""
+        if (self.where / "stats.json").is_file():
+            shutil.rmtree(self.parts, ignore_errors=True)   # (a late builder's: made after the join)
+            return
+        try:
+            lock = open(self.parts / "join.lock", "a+b")
+        except FileNotFoundError:   # joined and cleared while this one waited
+            if (self.where / "stats.json").is_file():
+                return
+            raise
+        with lock:
+            while True:
+                if self.stopped.is_set():
+                    raise Stopped()
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.1)
+            if (self.where / "stats.json").is_file():
+                return
+            for old in self.where.parent.glob(f".{self.where.name}.*"):   # a joiner killed mid-join left it
+                shutil.rmtree(old, ignore_errors=True)                      # (13 GB at 10^9 documents)
+            self.note(f"joining {self.n:,} blocks", 1.0)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{self.where.name}.", dir=self.where.parent))
+            try:
+                for _ in range(3):
+                    try:
+                        stats = self._write_joined(tmp)
+                        break
+                    except _Torn as e:   # built again here, and the join begun again
+                        log.error("packing %s: block %d is not as it was written (%s): built again",
+                                  self.where.name, e.block, e.why)
+                        shutil.rmtree(self.block_dir(e.block), ignore_errors=True)
+                        self._write_block(e.block, self.block_dir(e.block))
+                else:
+                    raise OSError(f"packing {self.where.name}: blocks do not read back as they were written")
+                self.publish(tmp, self.where, stats)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        shutil.rmtree(self.parts, ignore_errors=True)
+
+    def _figures(self, b: int) -> dict:
+        try:
+            return json.loads((self.block_dir(b) / "figures.json").read_text())
+        except (OSError, ValueError) as e:
+            raise _Torn(b, f"{type(e).__name__}: {e}") from None
+
+    def _array(self, b: int, k: str, figures: dict) -> np.ndarray:
+        """Block b's array k as written (read, not mapped: mapped pages stay resident), or _Torn:
+        a block torn by a host crash or damaged on disk would otherwise be sealed by the
+        sidecar's digest."""
+        try:
+            a = np.load(self.block_dir(b) / f"{k}.npy")
+        except (OSError, ValueError) as e:
+            raise _Torn(b, f"{type(e).__name__}: {e}") from None
+        want = figures["bins"] + 1 if k == "ptr" else figures["pieces"]
+        if len(a) != want or _crc(np.ascontiguousarray(a).view(np.uint8).data) != figures["check"][ARRAYS.index(k)]:
+            raise _Torn(b, f"its {k} does not match its check")
+        return a
+
+    def _write_joined(self, tmp: Path) -> dict:
+        figures = [self._figures(b) for b in range(self.n)]
+        pieces = [f["pieces"] for f in figures]
+        total_pieces, total_bins = sum(pieces), sum(f["bins"] for f in figures)
+        h = hashlib.sha256()
+        dtypes = {"ptr": narrow(total_pieces), "start": narrow(self.source.n_tokens), "length": np.dtype(np.uint32)}
+        sizes = {"ptr": total_bins + 1, "start": total_pieces, "length": total_pieces}
+        # The join is the part of a build that does not divide among cores: each part is hashed on
+        # a thread of its own while it is written (both without the GIL), the next part is read
+        # meanwhile.
+        with ThreadPoolExecutor(1, thread_name_prefix="pack-hash") as hasher:
+            hashed = hasher.submit(int)
+            for k in ARRAYS:
+                with open(tmp / f"{k}.npy", "wb") as f:
+                    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtypes[k]),
+                                                             "fortran_order": False, "shape": (sizes[k],)})
+                    offset = 0
+                    for b in range(self.n):
+                        out = self._array(b, k, figures[b])
+                        if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
+                            out = out[:-1].astype(dtypes[k])
+                            out += dtypes[k].type(offset)
+                            offset += pieces[b]
+                        else:
+                            out = np.ascontiguousarray(out, dtype=dtypes[k])
+                        hashed.result()
+                        hashed = hasher.submit(h.update, out.view(np.uint8).data)
+                        f.write(out.view(np.uint8).data)
+                    if k == "ptr":
+                        last = np.array([total_pieces], dtype=dtypes[k])
+                        hashed.result()
+                        hashed = hasher.submit(h.update, last.view(np.uint8).data)
+                        f.write(last.view(np.uint8).data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            hashed.result()
+        tokens = self.source.n_tokens
+        return {"packer": PACKER, "seq_len": self.seq_len, "fingerprint": self.source.fingerprint,
+                "block_tokens": self.cfg.block_tokens, "blocks": self.n,
+                "documents": sum(f["documents"] for f in figures), "bins": total_bins,
+                "truncated": sum(f["truncated"] for f in figures),
+                "padding_fraction": 1 - float(tokens) / (total_bins * (self.seq_len + 1)) if total_bins else 0.0,
+                "read_s": sum(f["read_s"] for f in figures), "cpu_pack_s": sum(f["pack_s"] for f in figures),
+                # the joiner's own: from its start to the sidecar written (with others' blocks, if any)
+                "build_s": time.perf_counter() - self.t0, "workers": self.cfg.threads(self.n),
+                "digest": h.hexdigest()}
+
+
+def _check(arrays: dict) -> list[int]:
+    return [_crc(np.ascontiguousarray(arrays[k]).view(np.uint8).data) for k in ARRAYS]
+
+
+def build(source, seq_len: int, where: Path, cfg: PackingConfig, note, publish) -> dict:
+    """Take part in building the sidecar `where` of source's bins at seq_len: blocks on
+    cfg.threads() threads, with every other builder of it sharing the directory; returns when
+    the sidecar is in place (raises Stopped when stop() is called meanwhile). `note(text, done)`
+    hears the progress; `publish(tmp, where, stats)` (feeder.sources.packed, which owns the sidecar's
+    figures and how a cache entry is put in place) writes the figures into the directory `tmp`
+    that holds the joined arrays and moves it to `where`, whole."""
+    t0 = time.perf_counter()
+    b = _Build(source, seq_len, where, cfg, note, publish)
+    with _active_lock:
+        _active.add(b)
+    try:
+        b.run()
+    finally:
+        with _active_lock:
+            _active.discard(b)
+    log.info("packing %s: %d of %d blocks built here in %.1f s", where.name, b.built_here, b.n,
+             time.perf_counter() - t0)
+    return {"built_here": b.built_here, "build_s": time.perf_counter() - t0, "workers": cfg.threads(b.n)}

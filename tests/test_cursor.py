@@ -2,7 +2,8 @@ import dataclasses
 
 import pytest
 
-from feeder.core.cursor import Cursor, KafkaEpoch, KafkaFollow
+from feeder.core.cursor import Cursor
+from feeder.sources.kafka_positions import KafkaEpoch, KafkaFollow
 from feeder.core.errors import FailedPrecondition
 
 C = Cursor(job="job-1", fingerprint="ab" * 32, seed=3, shuffle=True, drop_last=False, seq_len=128,

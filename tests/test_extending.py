@@ -77,3 +77,22 @@ def test_a_toy_order_kind_registered_here_is_served_end_to_end(reversed_kind, da
             resumed.close()
     finally:
         srv.stop()
+
+
+def test_cursor_position_kinds_are_registered_by_their_owners_with_their_released_bytes():
+    """cursor.py knows no source: each kind of source position is registered by the module that
+    owns it, and the bytes cursors carry for them never change."""
+    import ast
+    from pathlib import Path
+
+    from feeder.core import cursor
+    from feeder.core.cursor import Mixture
+    from feeder.sources.kafka_positions import KafkaEpoch, KafkaFollow, KafkaFollowMix
+
+    released = {2: KafkaEpoch, 3: KafkaFollow, 4: Mixture, 5: KafkaFollowMix}   # (1: no position)
+    assert {b: k.type for b, k in cursor._POSITIONS.items()} == released
+    tree = ast.parse(Path(cursor.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m and m.startswith("feeder.sources")}, imported
+    with pytest.raises(ValueError, match="registered already"):
+        cursor.register_position(cursor.PositionKind(4, dict, repr, eval))

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from feeder.core import cursor as cursor_mod
 from feeder.core import sampler
 from feeder.core.config import StreamSpec
-from feeder.core.cursor import Cursor, CursorWriter, KafkaEpoch, KafkaFollow, KafkaFollowMix
+from feeder.core.cursor import Cursor, CursorWriter
+from feeder.sources.kafka_positions import KafkaEpoch, KafkaFollow, KafkaFollowMix
 from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.core.planning import StreamPlan
 from tests.helpers import reference_ids

@@ -408,7 +408,8 @@ def test_a_cursor_that_names_no_place_in_the_stream_is_refused(feeder, change):
     get FAILED_PRECONDITION with a message, not INTERNAL or UNKNOWN, nor an empty stream."""
     import dataclasses
 
-    from feeder.core.cursor import DEV_SECRET, Cursor, KafkaEpoch, KafkaFollow
+    from feeder.core.cursor import DEV_SECRET, Cursor
+    from feeder.sources.kafka_positions import KafkaEpoch, KafkaFollow
     from feeder_client.stream import ClientConfig, FeederClient
 
     base = dict(job="bad-cursor", rank=0, world_size=2, seq_len=16, micro_batch=2, seed=1, num_epochs=1)

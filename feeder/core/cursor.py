@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 from feeder.core.errors import FailedPrecondition
 from feeder.core import order
@@ -31,7 +32,9 @@ except ImportError:  # no C compiler at install
 MAGIC = b"FC"
 # 2 added `src` (as text); 3 made it typed, by kind. Versions 1 and 2 are still accepted.
 VERSION = 3
-KIND_SAMPLED, KIND_KAFKA_EPOCH, KIND_KAFKA_FOLLOW, KIND_MIXTURE, KIND_KAFKA_FOLLOW_MIX = 1, 2, 3, 4, 5
+# Kinds of source position, by cursor byte: 1 none (a dataset's stream), 4 a mixture's (here);
+# 2, 3 and 5 are Kafka's (feeder/sources/kafka_positions.py). Registered by their owners.
+KIND_SAMPLED, KIND_MIXTURE = 1, 4
 MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
 DEV_SECRET = b"feeder-development-secret-not-for-production"
@@ -41,94 +44,6 @@ DEV_SECRET = b"feeder-development-secret-not-for-production"
 _FIXED = struct.Struct(">QBBIIIIQQQ")
 _HEAD = struct.Struct(">QBBIII")        # the part of _FIXED a stream keeps: seed .. rank
 _TAIL = struct.Struct(">IQQQ")          # and the part each batch moves: epoch base pos step
-
-
-@dataclass(frozen=True)
-class KafkaEpoch:
-    """Kafka bounded: the offset ranges of the job's frozen epoch ("topic:p=lo-hi,...")."""
-    ranges: str
-
-
-@dataclass(frozen=True)
-class KafkaFollow:
-    """Kafka follow: where the rank's round-robin interleave over the partitions stands."""
-    partitions: int            # the topic's partition count (a follow stream needs it fixed)
-    next: tuple[int, ...]      # per partition, the next offset to read
-    turn: int                  # the partition whose record comes next
-    k: int                     # records dealt so far (record k goes to rank k mod W)
-    skip: int                  # tokens of the current record that earlier samples took
-    i: int                     # the rank's next sample index
-
-    _FIXED = struct.Struct(">IIQQQ")
-
-    def __post_init__(self):
-        # A hand-made or old (JSON) position that cannot name a place in a topic is malformed.
-        ints = (self.partitions, self.turn, self.k, self.skip, self.i, *self.next)
-        if not all(type(x) is int and 0 <= x < 1 << 64 for x in ints) or len(self.next) != self.partitions \
-                or not self.turn < max(self.partitions, 1):
-            raise ValueError("a follow position needs one offset per partition and a turn among them")
-
-    def pack(self) -> bytes:
-        return self._FIXED.pack(self.partitions, self.turn, self.k, self.skip, self.i) + \
-            struct.pack(f">{len(self.next)}Q", *self.next)
-
-    @classmethod
-    def unpack(cls, b: bytes) -> "KafkaFollow":
-        p, turn, k, skip, i = cls._FIXED.unpack_from(b)
-        nxt = struct.unpack_from(f">{p}Q", b, cls._FIXED.size)
-        if cls._FIXED.size + 8 * p != len(b):
-            raise struct.error(f"a follow position of {p} partitions has {len(b)} bytes")
-        return cls(partitions=p, next=nxt, turn=turn, k=k, skip=skip, i=i)
-
-
-@dataclass(frozen=True)
-class KafkaFollowMix:
-    """Kafka follow, a mixture of topics: which topic fills each slot of the mixed interleave is
-    a pure function of the normalized weights and the slot (feeder.mixture.interleave), so the
-    position is where each topic's own interleave stands (a KafkaFollow whose k counts the
-    topic's records taken, and whose skip and i are 0), the slots taken (`k`: record k goes to
-    rank k mod W), and the rank's packing (skip, i) as in KafkaFollow."""
-    names: tuple[str, ...]
-    weights: tuple[float, ...]
-    topics: tuple[KafkaFollow, ...]
-    k: int
-    skip: int
-    i: int
-
-    _TAIL = struct.Struct(">QQQ")
-
-    def __post_init__(self):
-        if not 0 < len(self.names) == len(self.weights) == len(self.topics) <= 32767 \
-                or not all(type(x) is int and 0 <= x < 1 << 64 for x in (self.k, self.skip, self.i)):
-            raise ValueError("a follow mixture's position needs a name, weight and topic position per topic")
-
-    def pack(self) -> bytes:
-        out = [struct.pack(">H", len(self.names))]
-        for name, w, t in zip(self.names, self.weights, self.topics):
-            nb, tb = name.encode(), t.pack()
-            out += [struct.pack(">H", len(nb)), nb, struct.pack(">dI", w, len(tb)), tb]
-        out.append(self._TAIL.pack(self.k, self.skip, self.i))
-        return b"".join(out)
-
-    @classmethod
-    def unpack(cls, b: bytes) -> "KafkaFollowMix":
-        (n,), at = struct.unpack_from(">H", b), 2
-        names, weights, topics = [], [], []
-        for _ in range(n):
-            (ln,) = struct.unpack_from(">H", b, at)
-            names.append(b[at + 2:at + 2 + ln].decode())
-            at += 2 + ln
-            w, lt = struct.unpack_from(">dI", b, at)
-            at += 12
-            if at + lt > len(b):
-                raise struct.error("a topic's position runs past the cursor's end")
-            weights.append(w)
-            topics.append(KafkaFollow.unpack(b[at:at + lt]))
-            at += lt
-        k, skip, i = cls._TAIL.unpack_from(b, at)
-        if at + cls._TAIL.size != len(b):
-            raise struct.error(f"a follow mixture's position of {n} topics has {len(b)} bytes")
-        return cls(names=tuple(names), weights=tuple(weights), topics=tuple(topics), k=k, skip=skip, i=i)
 
 
 @dataclass(frozen=True)
@@ -194,40 +109,65 @@ class Mixture:
                    epoch_samples=n, ref_epoch=ref, mix_base=base, active=active)
 
 
-Position = KafkaEpoch | KafkaFollow | Mixture | KafkaFollowMix | None
-_KIND = {type(None): KIND_SAMPLED, KafkaEpoch: KIND_KAFKA_EPOCH, KafkaFollow: KIND_KAFKA_FOLLOW,
-         Mixture: KIND_MIXTURE, KafkaFollowMix: KIND_KAFKA_FOLLOW_MIX}
+# A stream's source position (what the sampler cannot derive): None for a dataset's plain
+# stream, else an object of a kind registered here by the source that owns it (a mixture's
+# below; Kafka's in feeder/sources/kafka_positions.py). The kind's byte is in every cursor.
+Position = object
+
+
+@dataclass(frozen=True)
+class PositionKind:
+    byte: int                              # the cursor's kind byte: fixed forever once released
+    type: type
+    pack: Callable[[object], bytes]
+    unpack: Callable[[bytes], object]
+    # Cursors before version 3 held a position as text; a kind that existed then reads it back
+    # (None: not this kind's text).
+    legacy: Callable[[str], object | None] | None = None
+
+
+_POSITIONS: dict[int, PositionKind] = {}
+_POSITION_OF: dict[type, PositionKind] = {}
+
+
+def register_position(kind: PositionKind) -> PositionKind:
+    """Add a kind of source position (by its owner, at import): its byte and type must be new."""
+    if kind.byte in _POSITIONS or kind.type in _POSITION_OF or kind.byte == KIND_SAMPLED:
+        raise ValueError(f"position kind {kind.byte} ({kind.type.__name__}) is registered already")
+    _POSITIONS[kind.byte] = _POSITION_OF[kind.type] = kind
+    return kind
+
+
+def _kind_byte(src: Position) -> int:
+    if src is None:
+        return KIND_SAMPLED
+    return _POSITION_OF[type(src)].byte
 
 
 def _position_bytes(src: Position) -> bytes:
-    if src is None:
-        return b""
-    return src.ranges.encode() if type(src) is KafkaEpoch else src.pack()
+    return b"" if src is None else _POSITION_OF[type(src)].pack(src)
 
 
 def _position(version: int, kind: int, raw: bytes) -> Position:
-    if version < 3:   # text, by what it looks like: "" (a dataset), a follow's JSON, or ranges
-        import json
-
+    if version < 3:   # text, by what it looks like: "" (a dataset), else a kind's own text
         text = raw.decode()
         if not text:
             return None
-        if text.startswith("{"):
-            d = json.loads(text)
-            return KafkaFollow(partitions=d["P"], next=tuple(d["next"]), turn=d["turn"], k=d["k"], skip=d["skip"],
-                               i=d["i"])
-        return KafkaEpoch(text)
+        for k in _POSITIONS.values():
+            got = k.legacy(text) if k.legacy is not None else None
+            if got is not None:
+                return got
+        raise FailedPrecondition("cursor holds a source position this feeder cannot read; another feeder may",
+                                 elsewhere=True)
     if kind == KIND_SAMPLED and not raw:
         return None
-    if kind == KIND_KAFKA_EPOCH:
-        return KafkaEpoch(raw.decode())
-    if kind == KIND_KAFKA_FOLLOW:
-        return KafkaFollow.unpack(raw)
-    if kind == KIND_MIXTURE:
-        return Mixture.unpack(raw)
-    if kind == KIND_KAFKA_FOLLOW_MIX:
-        return KafkaFollowMix.unpack(raw)
-    raise FailedPrecondition(f"cursor kind {kind} cannot resume this stream")
+    known = _POSITIONS.get(kind)
+    if known is None:
+        raise FailedPrecondition(f"cursor kind {kind} cannot resume this stream")
+    return known.unpack(raw)
+
+
+register_position(PositionKind(KIND_MIXTURE, Mixture, Mixture.pack, Mixture.unpack))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,7 +194,7 @@ class Cursor:
         src = _position_bytes(self.src)
         flags = (1 if self.shuffle else 0) | (2 if self.drop_last else 0)
         return b"".join([
-            MAGIC, bytes([VERSION, _KIND[type(self.src)]]),
+            MAGIC, bytes([VERSION, _kind_byte(self.src)]),
             struct.pack(">H", len(job)), job, struct.pack(">H", len(fp)), fp, struct.pack(">I", len(src)), src,
             _HEAD.pack(self.seed, flags, order.kind_of(self.permutation).byte, self.seq_len, self.world_size, self.rank),
         ])
@@ -275,7 +215,7 @@ class Cursor:
             raise FailedPrecondition(
                 "cursor failed verification: it was altered, truncated, or issued by a feeder "
                 "with another cursor secret")
-        if body[3] not in _KIND.values() or (data[2] < 3 and body[3] != 1):
+        if (body[3] != KIND_SAMPLED and body[3] not in _POSITIONS) or (data[2] < 3 and body[3] != 1):
             raise FailedPrecondition(f"cursor kind {body[3]} cannot resume this stream")
         try:
             at = 4

@@ -64,7 +64,7 @@ class RankState:
     reads: int = 0
     read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
     bad_records: int = 0         # skipped under bad_records=skip
-    kafka_lag: dict[int, int] = field(default_factory=dict)   # partition -> records behind the end
+    lag: dict[int, int] = field(default_factory=dict)   # a tailed source's: partition -> records behind its end (Plan.lag)
     mixture: tuple[str, ...] = ()    # a mixture's source names, in its order
     source_samples: dict[str, int] = field(default_factory=dict)   # samples sent from each
     # A model-parallel rank's open members, by (context-parallel rank, member): where each is

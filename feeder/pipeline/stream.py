@@ -263,7 +263,7 @@ class RankStream:
         if st is None:
             return
         st.bad_records = self.live_plan.bad_records
-        st.kafka_lag = dict(self.live_plan.lag)
+        st.lag = dict(self.live_plan.lag)
         per = block.samples_in_epoch
         st.epoch, st.samples_in_epoch = int(block.epochs[-1]), per
         st.samples_done = min(per, (int(block.steps[-1]) + 1) * self.spec.micro_batch)

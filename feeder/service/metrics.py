@@ -143,7 +143,7 @@ class EngineCollector:
                 fam["feeder_member_behind_batches"].add_metric(lab, max((m.behind for m in st.member_status), default=0))
             for name, n in sorted(st.source_samples.items()):
                 fam["feeder_source_samples_total"].add_metric([*lab, name], n)
-            for part, lag in sorted(st.kafka_lag.items()):
+            for part, lag in sorted(st.lag.items()):
                 fam["feeder_kafka_lag_records"].add_metric([*lab, str(part)], lag)
         e = self.engine
         for key, note in sorted(preparing.current().items()):

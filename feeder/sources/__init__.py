@@ -22,6 +22,7 @@ from feeder.core.cursor import Cursor
 from feeder.core.layout import Bounds
 from feeder.core.planning import Pending, PlanBase, PlannedRun, Start
 from feeder.core.rows import Rows
+from feeder.sources import kafka_positions  # noqa: F401  (registers Kafka's cursor positions)
 
 
 @runtime_checkable

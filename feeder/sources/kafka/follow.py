@@ -16,7 +16,8 @@ from typing import Iterator
 import numpy as np
 
 from feeder.core.config import StreamSpec
-from feeder.core.cursor import Cursor, KafkaFollow
+from feeder.core.cursor import Cursor
+from feeder.sources.kafka_positions import KafkaFollow
 from feeder.core.errors import FailedPrecondition
 from feeder.core.planning import PENDING, Pending, PlanBase, PlannedBatch, PlannedRun, Start
 from feeder.core.sampling_key import DEAL, cursor_mismatch

@@ -27,7 +27,8 @@ import numpy as np
 
 from feeder.core import blend as mx
 from feeder.core.config import StreamSpec
-from feeder.core.cursor import Cursor, KafkaFollow, KafkaFollowMix
+from feeder.core.cursor import Cursor
+from feeder.sources.kafka_positions import KafkaFollow, KafkaFollowMix
 from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.sources.kafka.follow import FollowPlan
 from feeder.sources.kafka.reader import FollowState

@@ -13,7 +13,8 @@ import numpy as np
 
 from feeder.sources import manifest as mf
 from feeder.core.config import StreamSpec
-from feeder.core.cursor import Cursor, KafkaEpoch
+from feeder.core.cursor import Cursor
+from feeder.sources.kafka_positions import KafkaEpoch
 from feeder.core.errors import FailedPrecondition, InvalidArgument, WrongReplica
 from feeder.core.planning import StreamPlan
 from feeder.sources.kafka.codec import read_header

@@ -193,3 +193,64 @@ def torch_randperm(n: int, seed: int, kind: str, out: np.ndarray | None = None,
         out = np.empty(n, dtype=order_dtype(n))
     stopped = _c.randperm(out, seed % (1 << 64), inside_out(kind, n), progress)
     return out, stopped
+
+
+# -- what a stored order must satisfy (feeder.domain.order_store verifies its files by these) --
+
+try:
+    from feeder._native import order_check as _order_check
+except ImportError:  # no C compiler at install: numpy, in parts, ~10x slower
+    _order_check = None
+
+_M64 = (1 << 64) - 1
+CHECK_FIELDS = ("sum", "sum_sq", "xor", "max", "weighted", "crc32c")
+
+
+def permutation_sums(n: int) -> tuple[int, int, int]:
+    """(sum, sum of squares mod 2^64, xor) of any permutation of [0, n): what a stored order's
+    ids must add up to whatever their positions."""
+    m = n - 1
+    xor = 0 if n <= 0 else (m, 1, m + 1, 0)[m % 4]   # 0 ^ 1 ^ ... ^ m
+    return (n * m // 2) & _M64, (m * n * (2 * m + 1) // 6) & _M64, xor
+
+
+def order_checks(ids: np.ndarray) -> tuple[int, ...]:
+    """CHECK_FIELDS of an order (uint32 or uint64 ids, any length), all mod 2^64, in one pass at
+    memory bandwidth (~10 GB/s in C): the sums a permutation fixes, the largest id, and two that
+    depend on where each id lies (Σ (i+1)·x_i, CRC-32C of the bytes)."""
+    ids = np.ascontiguousarray(ids)
+    if ids.dtype not in (np.uint32, np.uint64):
+        raise ValueError(f"an order is uint32 or uint64, got {ids.dtype}")
+    if _order_check is not None:
+        out = np.zeros(6, dtype=np.uint64)
+        _order_check(ids.view(np.uint8).reshape(-1), ids.itemsize, out)
+        return tuple(int(v) for v in out)
+    import zlib   # (CRC-32, not -32C: only a build without the C extension reads its own files)
+
+    s = q = x = w = m = crc = 0
+    step = 1 << 22
+    with np.errstate(over="ignore"):
+        for at in range(0, len(ids), step):
+            v = ids[at:at + step].astype(np.uint64)
+            s += int(v.sum(dtype=np.uint64))
+            q += int((v * v).sum(dtype=np.uint64))
+            x ^= int(np.bitwise_xor.reduce(v)) if len(v) else 0
+            m = max(m, int(v.max())) if len(v) else m
+            w += int((v * np.arange(at + 1, at + 1 + len(v), dtype=np.uint64)).sum(dtype=np.uint64))
+            crc = zlib.crc32(ids[at:at + step], crc)
+    return s & _M64, q & _M64, x, m, w & _M64, crc
+
+
+def not_a_permutation(n: int, checks: tuple[int, ...]) -> str:
+    """Why ids with these order_checks cannot be a permutation of [0, n) ("" when they may be).
+    Catches any damage that changes which ids the order holds: an entry overwritten or zeroed
+    (one changed entry always moves the sum; changes that keep the sum move the sum of squares
+    or the xor, short of a contrived coincidence), an id ≥ n. Swaps keep all three: only a
+    digest of positions (Σ (i+1)·x_i, a CRC) recorded at build catches those."""
+    s, q, x, m = checks[:4]
+    want = permutation_sums(n)
+    wrong = [name for name, got, exp in (("sum", s, want[0]), ("sum of squares", q, want[1]), ("xor", x, want[2]))
+             if got != exp]
+    if n and m >= n:
+        wrong.append(f"largest id {m:,} ≥ n")
+    return ", ".join(wrong)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from feeder import __version__
-from feeder.sources import preparing
+from feeder.sources import cache, preparing
 from feeder.core import blend as blending
 from feeder.sources import packed
 from feeder.core.config import ServeConfig, StreamSpec
@@ -81,6 +81,7 @@ class Engine:
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
             building=tuple(b.describe() for b in self.orders.builds()),
             packings=tuple(packed.describe(p) for p in packed.built()),
+            cache_damaged=sum(cache.damaged_counts().values()),
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,

@@ -142,7 +142,7 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
                            processes=status.processes, chunks_changed=status.chunks_changed,
                            scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
-                           packings=status.packings)
+                           packings=status.packings, cache_damaged=status.cache_damaged)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:

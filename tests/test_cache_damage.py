@@ -1,0 +1,163 @@
+"""Issue 34: nothing the cache directory holds is trusted. An entry (an epoch order, a Kafka
+epoch's snapshot, a packing) that is damaged is found before any of it is served, said once,
+counted, removed and built again; the ranks get exactly torch's DistributedSampler's ids."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from feeder.core import order, sampler
+from feeder.domain import order_store as store
+from feeder.sources import cache
+from feeder_client import FeederDataset
+from tests.helpers import FeederProc
+from tests.test_order import VOCAB, flat_corpus, torch_rank_ids
+
+
+def built_order(cache_dir, n: int, seed: int) -> tuple[store.OrderStore, str]:
+    """An order built by the store into cache_dir (as a feeder would), and its file's path."""
+    st = store.OrderStore(str(cache_dir))
+    wait_for(st, n, seed)
+    return st, os.path.join(st.dir, st.name(n, seed, "torch"))
+
+
+def wait_for(st: store.OrderStore, n: int, seed: int, limit_s: float = 60) -> np.ndarray:
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            return np.asarray(st.get(n, seed, "torch"))
+        except sampler.OrderPending:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def damage(path: str, how: str, n: int) -> None:
+    """Damage an order file as disks, hosts and hands do (the file keeps its size but where said)."""
+    ids = np.memmap(path, dtype=np.uint32, mode="r+", shape=(n,))
+    if how == "swapped":          # two entries exchanged: every sum of the ids is kept
+        ids[[10, n - 7]] = ids[[n - 7, 10]]
+    elif how == "overwritten":    # 32 entries overwritten with ids found elsewhere (the review's)
+        ids[100:132] = ids[5000:5032]
+    elif how == "out-of-range":   # an id past n (served as INVALID_ARGUMENT, no failover, before)
+        ids[3] = 2**32 - 16
+    ids.flush()
+    del ids
+    if how == "zeroed":           # what a host crash leaves of a file renamed before it was on disk
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.write(b"\0" * size)
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "no-trailer":     # the ids only: written without its checks (a crash, an older build)
+        os.truncate(path, 4 * n)
+
+
+HOW = ("swapped", "overwritten", "zeroed", "truncated", "out-of-range", "no-trailer")
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_damaged_order_file_is_found_counted_rebuilt_and_never_served(tmp_path, caplog, how):
+    """A new process (a fresh store) on a cache whose order file is damaged: the check finds it
+    before any id is handed out, says so once, counts it, and the order is built again: the ids
+    are torch's."""
+    n, seed = 200_003, 7
+    _, path = built_order(tmp_path, n, seed)
+    damage(path, how, n)
+    before = cache.damaged_counts()["order"]
+    st = store.OrderStore(str(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="feeder.cache"):
+        with pytest.raises(sampler.OrderPending):   # (removed: being built again, the ranks wait)
+            st.get(n, seed, "torch")
+        got = wait_for(st, n, seed)
+    want = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    assert np.array_equal(got, want)
+    assert cache.damaged_counts()["order"] == before + 1
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and os.path.basename(path) in said[0], said
+    assert os.path.getsize(path) == 4 * n + store.TRAILER.size
+    assert st.build_seconds > 0 and st.built == 1
+
+
+def test_order_checks_catch_what_each_is_for():
+    """What each check catches (docs/guarantees.md): the sums a permutation must have catch any
+    change of which ids the order holds, not a swap; the position digests catch a swap."""
+    n = 100_000
+    ids = np.random.default_rng(3).permutation(n).astype(np.uint32)
+    built = order.order_checks(ids)
+    assert order.not_a_permutation(n, built) == ""
+    swapped = ids.copy()
+    swapped[[1, 99_000]] = swapped[[99_000, 1]]
+    got = order.order_checks(swapped)
+    assert order.not_a_permutation(n, got) == "" and got[4] != built[4] and got[5] != built[5]
+    for i, j in ((0, 1), (5, n - 1), (40_000, 40_002)):   # Σ (i+1)·x_i moves by (i - j)(x_j - x_i) ≠ 0
+        s = ids.copy()
+        s[[i, j]] = s[[j, i]]
+        assert order.order_checks(s)[4] != built[4]
+    for bad in (np.zeros(n, np.uint32), np.where(np.arange(n) == 7, ids[8], ids).astype(np.uint32),
+                np.where(np.arange(n) == 7, n, ids).astype(np.uint32)):
+        assert order.not_a_permutation(n, order.order_checks(bad))
+    wide = ids.astype(np.uint64)   # orders past 2^32 ids are uint64: the same sums
+    assert order.order_checks(wide)[:5] == built[:5]
+
+
+def metric(feeder, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{feeder.metrics}/metrics", timeout=10).read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("how", ["swapped", "zeroed"])
+def test_failover_mid_epoch_from_a_feeder_whose_order_was_damaged_is_exact(tmp_path, how):
+    """Feeder A's cache holds a damaged order (the review: 1,984 of 6,400 ids of a rank's epoch
+    wrong or repeated after failing over from such a cache); B's is sound. The rank starts on A
+    (which finds the damage, counts it, builds the order again and serves torch's ids), A is
+    killed mid-epoch, the rank resumes on B: every id is DistributedSampler's."""
+    n = sampler.SMALL_ORDER + 12_345          # past what is drawn in memory: a stored order
+    data = flat_corpus(tmp_path, n)
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    _, path = built_order(cache_a, n, 5)
+    damage(path, how, n)
+    a = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_a), "--metrics-port", "0"])
+    b = None
+    try:
+        b = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_b)])
+        want = torch_rank_ids(n, 2, 1, 5)
+        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=1, micro_batch=16,
+                           seed=5, idle_timeout_s=10, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
+        got = []
+        for batch in ds:
+            got += batch.sample_ids.tolist()
+            if len(got) == 64:
+                assert metric(a, "feeder_cache_damaged_total{kind=\"order\"}") == 1.0
+                assert metric(a, "feeder_orders_built_total") == 1.0
+                a.signal(signal.SIGKILL)
+            if len(got) >= 16 * 100:
+                break
+        ds.client.close()
+        assert got == want[:len(got)]
+        assert os.path.getsize(path) == 4 * n + store.TRAILER.size   # A's rebuilt order, sound
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.stop()
+
+
+def test_a_sample_outside_the_data_is_a_failover_not_the_callers_mistake():
+    """An id ≥ n (a damaged order, index or packing) named rows past the data: INVALID_ARGUMENT,
+    and the rank gave up. It is UNAVAILABLE marked for elsewhere: the rank resumes elsewhere."""
+    from types import SimpleNamespace
+
+    from feeder.core.errors import Code, FeederError
+    from feeder.sources.posix import locate_rows
+
+    with pytest.raises(FeederError) as e:
+        locate_rows(SimpleNamespace(n_tokens=100), np.array([4, 2**32 - 16]), 2)
+    assert e.value.code is Code.UNAVAILABLE and e.value.elsewhere
+    assert "outside the dataset" in str(e.value)

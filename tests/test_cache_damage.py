@@ -161,3 +161,61 @@ def test_a_sample_outside_the_data_is_a_failover_not_the_callers_mistake():
         locate_rows(SimpleNamespace(n_tokens=100), np.array([4, 2**32 - 16]), 2)
     assert e.value.code is Code.UNAVAILABLE and e.value.elsewhere
     assert "outside the dataset" in str(e.value)
+
+
+# -- Kafka snapshots -----------------------------------------------------------------------------
+
+def flip_a_byte(path, at: float = 0.5) -> None:
+    """One byte of `path` inverted, `at` of the way in."""
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * at))
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("where", ["shard", "manifest"])
+def test_a_kafka_snapshot_with_a_flipped_byte_is_read_again_from_the_topic(kafka_broker, tmp_path, caplog, where):
+    """A byte flipped in a snapshot shard (or its manifest) in the shared cache was DATA_LOSS for
+    every job of that epoch, forever, though the topic still holds the records. Now a new feeder
+    on that cache finds it (the chunk's sha256, or the manifest's fingerprint), says it once,
+    counts it, removes it and reads the epoch again: both ranks get exactly the epoch's ids and
+    tokens, and the cache holds one sound snapshot."""
+    from feeder.core.config import ServeConfig
+    from feeder.core.sampler import n_samples
+    from feeder.service.server import ServerThread
+    from tests.helpers import check_batches, reference_ids
+    from tests.test_kafka_regressions import EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+    from tests.test_kafka_snapshots import builds, rank_batches
+
+    caplog.set_level(logging.INFO)
+    topic = f"snap-damage-{os.getpid()}-{time.time_ns() % 10**6}"
+    Trickle(kafka_broker, topic, partitions=3, n0=600, trickle=False).stop()
+    region = tmp_path / "region-cache"
+    cfg = dict(source=f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256", listen="127.0.0.1:0",
+               cache_dir=str(region))
+    with ServerThread(ServeConfig(**cfg)) as a:
+        first = rank_batches(a.address, "first", 0)
+    ranges = epoch_of(first[0])
+    (snap,) = [p for p in (region / "kafka").iterdir() if p.is_dir()]
+    if where == "shard":
+        target = max((p for p in snap.iterdir() if p.name not in ("manifest.json", "kafka.json")),
+                     key=lambda p: p.stat().st_size)
+    else:
+        target = snap / "manifest.json"
+    flip_a_byte(target)
+    before = cache.damaged_counts()["snapshot"]
+    with ServerThread(ServeConfig(**cfg)) as b:   # a new process on the region's cache
+        got = {r: rank_batches(b.address, "again", r, ranges) for r in (0, 1)}
+    assert cache.damaged_counts()["snapshot"] == before + 1
+    assert len(builds(caplog)) == 2, builds(caplog)
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and ranges in said[0], said
+    stream = epoch_stream(kafka_broker, ranges)
+    n = n_samples(len(stream), EPOCH_SEQ)
+    for r in (0, 1):
+        check_batches(got[r], stream, EPOCH_SEQ,
+                      reference_ids(n, 2, r, shuffle=True, seed=EPOCH_SEED, drop_last=False, epoch=0))
+        assert {epoch_of(x) for x in got[r]} == {ranges}
+    assert [p.name for p in (region / "kafka").iterdir() if p.is_dir()] == [snap.name]

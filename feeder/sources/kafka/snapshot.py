@@ -1,6 +1,13 @@
 """Bounded mode's snapshot: a frozen epoch's offset ranges read once into Arrow shards in a
 spool directory, ordered by (partition, offset), then served exactly as a file dataset
-(same packing, same DistributedSampler, same cursors)."""
+(same packing, same DistributedSampler, same cursors).
+
+A snapshot is a cache entry, not the data: the topic still holds its records. It is written
+aside, fsynced and renamed into place (feeder.sources.cache.publish); its manifest is checked
+when it is opened and each chunk against the manifest's sha256 on first read (as any dataset's).
+A damaged one (issue 34: one flipped byte was DATA_LOSS for every job of that epoch, forever) is
+said once, counted, removed, and read again from the topic: the rank that met it is told
+UNAVAILABLE, resumes from its cursor and waits for the rebuild as for any build."""
 from __future__ import annotations
 
 import hashlib
@@ -15,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from feeder.sources import cache, preparing
 from feeder.sources import manifest as mf
-from feeder.sources import preparing
-from feeder.core.errors import FailedPrecondition, WrongReplica
+from feeder.core.errors import DataLoss, FailedPrecondition, Unavailable, WrongReplica
+from feeder.sources.posix import PosixSource
 from feeder.sources.shards import ShardWriter
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable
 from feeder.sources.kafka.once import Beat, build_once, lock_path
@@ -48,8 +56,6 @@ class Snapshots:
     def get(self, ranges: str, policy: str, topic_id: str = ""):
         """The epoch `ranges` as a PosixSource (with `bad_records`: how many were skipped), of
         the topic whose Kafka id is `topic_id` (a recreated topic's same ranges are not its)."""
-        from feeder.sources.posix import PosixSource
-
         out = self.dir_for(ranges, policy, topic_id)
         key = out.name
         with self._lock:
@@ -61,16 +67,45 @@ class Snapshots:
             snap = self._snapshots.get(key)
             if snap is not None:
                 return snap
-            try:
-                self._build_or_wait(out, ranges, policy)
-            finally:
-                self.progress.pop(ranges, None)
-                preparing.finished(ranges)
-            snap = PosixSource(out, name=self.url.topic)
-            snap.bad_records = json.loads((out / "kafka.json").read_text())["bad_records"]
-            self._snapshots[key] = snap
+            for last in (False, True):   # (one found damaged at open is read again, once)
+                try:
+                    self._build_or_wait(out, ranges, policy)
+                finally:
+                    self.progress.pop(ranges, None)
+                    preparing.finished(ranges)
+                try:
+                    snap = SnapshotSource(out, name=self.url.topic, ranges=ranges, on_damage=self._damaged)
+                    snap.bad_records = json.loads((out / "kafka.json").read_text())["bad_records"]
+                    break
+                except (DataLoss, OSError, ValueError, KeyError, TypeError) as e:
+                    if last:
+                        raise
+                    self._remove(out, _identity(out), ranges, f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._snapshots[key] = snap
             return snap
 
+    def _damaged(self, snap: "SnapshotSource", why: str) -> None:
+        """A chunk of a snapshot served here failed its check: forget it here and remove it (unless
+        another process already replaced it), so the next stream of the epoch builds it again."""
+        with self._lock:
+            if self._snapshots.get(snap.root.name) is snap:
+                del self._snapshots[snap.root.name]
+        self._remove(snap.root, snap.identity, snap.ranges, why)
+
+    @staticmethod
+    def _remove(out: Path, identity: tuple, ranges: str, why: str) -> None:
+        """Remove the damaged snapshot `out` if it is still the one found damaged: moved aside
+        first (one rename: no reader sees half a directory), then deleted."""
+        if identity is None or _identity(out) != identity:
+            return   # (gone, or already built again by another process: not this one to remove)
+        aside = out.with_name(out.name + f".damaged-{os.getpid()}-{threading.get_ident()}")
+        try:
+            os.replace(out, aside)
+        except OSError:
+            return   # (another process moved it first, and counted it)
+        cache.damaged("snapshot", f"of Kafka epoch {ranges} ({out})", why)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def dir_for(self, ranges: str, policy: str, topic_id: str = "") -> Path:
         """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
@@ -208,8 +243,48 @@ class SnapshotBuild:
         (tmp / "kafka.json").write_text(json.dumps({"ranges": ranges, "policy": self.policy,
                                                     "bad_records": len(bad), "bad": bad[:1000]}))
         shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        cache.publish(tmp, out)
         took = time.monotonic() - t0
         log.info("kafka epoch %s: %d documents, %d tokens, %d bad records skipped, read in %.1fs (%.0f MB/s of "
                  "tokens, %d partitions at once) into %s", ranges, self.docs, self.tokens, len(bad), took,
                  self.tokens * self.dtype.itemsize / max(took, 1e-9) / 1e6, min(READERS, len(self.parts)), out)
+
+
+def _identity(path: Path) -> tuple | None:
+    """Which directory is at `path` now (device, inode), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class SnapshotSource(PosixSource):
+    """A snapshot served as a file dataset, whose damage is not the end of it: a chunk that
+    fails its check has the snapshot removed (`on_damage`) and is UNAVAILABLE to the rank, which
+    resumes from its cursor while the epoch is read again from the topic."""
+
+    def __init__(self, root: Path, *, name: str, ranges: str, on_damage):
+        self.identity = _identity(root)   # (before the manifest is read: the directory checked is this one)
+        super().__init__(root, name=name)
+        self.ranges, self._on_damage, self._told = ranges, on_damage, False
+
+    def chunk(self, k: int) -> np.ndarray:
+        try:
+            return super().chunk(k)
+        except DataLoss as e:
+            raise self._rebuilding(str(e)) from None
+
+    def doc_starts(self, k: int) -> np.ndarray:
+        try:
+            return super().doc_starts(k)
+        except DataLoss as e:
+            raise self._rebuilding(str(e)) from None
+
+    def _rebuilding(self, why: str) -> Unavailable:
+        with self._lock:
+            first, self._told = not self._told, True
+        if first:
+            self._on_damage(self, why)
+        return Unavailable(f"the snapshot of Kafka epoch {self.ranges} in the cache was damaged ({why}): it is "
+                           "being read again from the topic; resume from the cursor")

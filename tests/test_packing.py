@@ -484,9 +484,19 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
     def bad_stats():
         (where / "stats.json").write_text("{")
 
-    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats), 1):
+    def flipped_byte():   # (issue 34)
+        from tests.test_cache_damage import flip_a_byte
+
+        flip_a_byte(where / "length.npy", 0.9)
+
+    from feeder.sources import cache
+
+    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats, flipped_byte), 1):
         damage()
+        before = cache.damaged_counts()["packing"]
         assert served(f"bf-side-{k}") == want, damage.__name__
+        assert cache.damaged_counts()["packing"] == before + 1, damage.__name__   # said and counted once
+        assert not [p for p in where.parent.iterdir() if ".damaged-" in p.name]
 
 
 def test_review_the_integrations_inputs_keep_documents_apart_in_a_hugging_face_model(feeder):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.sources import preparing
+from feeder.sources import cache, preparing
 from feeder.core.errors import FailedPrecondition
 from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, best_fit
 from feeder.core.rows import Rows
@@ -165,10 +165,17 @@ def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
         why = "its " + ", ".join(wrong) + " do not match"
     except (OSError, ValueError, KeyError, TypeError) as e:
         why = f"{type(e).__name__}: {e}"
-    log.error("packing sidecar %s is not usable (%s): removed, to be built again", where, why)
     import shutil
 
-    shutil.rmtree(where, ignore_errors=True)
+    # Moved aside first (one rename: a process opening it meanwhile sees it whole or not at all),
+    # and counted only by the process whose rename took it.
+    aside = where.with_name(f".{where.name}.damaged-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.replace(where, aside)
+    except OSError:
+        return None   # (another process removed it first)
+    cache.damaged("packing", f"sidecar {where}", why)
+    shutil.rmtree(aside, ignore_errors=True)
     return None
 
 
@@ -198,7 +205,7 @@ def build(source, seq_len: int, where: Path) -> dict:
             np.save(tmp / f"{k}.npy", getattr(packing, k))
         (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
         try:
-            os.rename(tmp, where)
+            cache.publish(tmp, where)   # (fsynced, renamed, its directory fsynced)
         except OSError:   # another process got there first: its bins are the same
             import shutil
 

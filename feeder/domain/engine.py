@@ -15,6 +15,7 @@ from typing import Callable
 from feeder import __version__
 from feeder.sources import cache, preparing
 from feeder.core import blend as blending
+from feeder.core import scope
 from feeder.sources import packed
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.cursor import Cursor, Mixture
@@ -59,7 +60,9 @@ class Engine:
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
         if src is None:
-            raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})", elsewhere=True)
+            served = scope.current().names(self.sources, "dataset")   # (those the caller may read)
+            raise NotFound(f"dataset {name!r} is not served here (served: {served or 'none it may read'})",
+                           elsewhere=True)
         return src
 
     def compression(self, requested: str, level: int, rtt_us: int) -> tuple[str, int]:

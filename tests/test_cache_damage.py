@@ -219,3 +219,52 @@ def test_a_kafka_snapshot_with_a_flipped_byte_is_read_again_from_the_topic(kafka
                       reference_ids(n, 2, r, shuffle=True, seed=EPOCH_SEED, drop_last=False, epoch=0))
         assert {epoch_of(x) for x in got[r]} == {ranges}
     assert [p.name for p in (region / "kafka").iterdir() if p.is_dir()] == [snap.name]
+
+
+def test_a_builder_sigkilled_mid_build_leaves_no_part_and_no_stale_lock_after_a_restart(tmp_path):
+    """A feeder SIGKILLed while it draws an order left its `.part` (0.86 GB in the review) until a
+    feeder next started on that host, and its lock and progress files for good. The next store
+    on that cache removes all three, and counts none of them as an order."""
+    import subprocess
+    import sys
+
+    n = 60_000_000
+    script = ("import sys, time\n"
+              "import feeder.domain.order_store as store\n"
+              "store._huge_pages_for = lambda size: False\n"   # drawn straight into the cache directory
+              "store._shm_dir = lambda size: None\n"
+              "st = store.OrderStore(sys.argv[1])\n"
+              f"st.prepare({n}, 1, 'torch')\n"
+              "time.sleep(60)\n")
+    builder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+    orders = tmp_path / "orders"
+    deadline = time.monotonic() + 30
+    while not list(orders.glob(".randperm-*.part")) or not list(orders.glob("*.lock")):
+        assert time.monotonic() < deadline and builder.poll() is None
+        time.sleep(0.01)
+    builder.kill()
+    builder.wait(10)
+    left = sorted(p.name for p in orders.iterdir())
+    assert any(p.endswith(".part") for p in left) and any(p.endswith(".lock") for p in left), left
+    name = store.OrderStore.name(n, 1, "torch")
+    assert name not in left   # (killed mid-draw: never renamed into place)
+    store.OrderStore(str(tmp_path))   # a feeder starting on the cache
+    assert sorted(p.name for p in orders.iterdir()) == []
+
+
+def test_a_build_under_way_counts_against_the_cache_budget(tmp_path):
+    """--cache-max-gb did not count the part files of builds under way (here a live one of 40 MiB,
+    this process's): an older order is now removed to make room for the new one beside it. The
+    budget, read as GiB, is said in GiB (it said GB)."""
+    st = store.OrderStore(str(tmp_path), max_bytes=64 << 20)
+    old = tmp_path / "orders" / "randperm-fwd-n5000000-s1.u32"
+    old.write_bytes(b"\0" * (20 << 20))
+    part = tmp_path / "orders" / f".randperm-fwd-n9-s9.u32.{store._HOST}.{os.getpid()}.part"
+    with open(part, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 40 << 20)
+    st._make_room(8 << 20)
+    assert not old.exists() and part.exists()
+    from feeder.core.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match=r"0\.1 GiB.*--cache-max-gb 0\.0625 GiB"):
+        st.get(30_000_000, 1, "torch")

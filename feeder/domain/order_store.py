@@ -480,6 +480,19 @@ def _remove_orphans(cache: str) -> None:
                 log.info("order cache: removed %s, left by a build that did not finish", path)
             except OSError:
                 pass
+    # Lock and progress files of builds nobody holds (the builder was killed): a lock no process
+    # holds is taken here for a moment and removed. (A process that opened it just before may
+    # still take it and build: then two build the same order, each under its own part name, and
+    # the second rename puts the same bytes in place. Never a wrong order, and rare.)
+    for lock_path in glob.glob(os.path.join(cache, "randperm-*.lock")):
+        try:
+            with open(lock_path, "a+b") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                for stale in (lock_path, lock_path[:-len(".lock")] + ".progress"):
+                    if os.path.exists(stale):
+                        os.unlink(stale)
+        except (BlockingIOError, OSError):
+            continue   # (held: a build under way, here or on another host)
 
 
 def _memory_backed(path: str) -> bool:

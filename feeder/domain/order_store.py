@@ -179,8 +179,8 @@ class OrderStore:
             t0 = time.perf_counter()
             why = self._unsound(fd, st.st_size, n, dtype)
             took = time.perf_counter() - t0
-            if why:
-                self._remove_damaged(name, path, st, why)
+            if why:   # (removed only if it is still the file checked: another process may have rebuilt it)
+                cache.remove_damaged(path, (st.st_dev, st.st_ino), "order", f"{name} in {self.dir}", why)
                 return None
             arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
         finally:
@@ -218,17 +218,6 @@ class OrderStore:
         if moved:   # a permutation still, but not the one drawn: ids swapped
             return f"its {' and '.join(moved)} differ from the build's: ids were moved"
         return ""
-
-    def _remove_damaged(self, name: str, path: str, st: os.stat_result, why: str) -> None:
-        """Remove a damaged order, unless another process already replaced it (its rebuild)."""
-        try:
-            now = os.stat(path)
-            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-                return   # (not the file that was checked: the next get checks the new one)
-            os.unlink(path)
-        except FileNotFoundError:
-            return   # (another process removed it first and counted it)
-        cache.damaged("order", f"{name} in {self.dir}", why)
 
     def _start(self, name: str, n: int, seed: int, kind: str) -> Build:
         with self._lock:

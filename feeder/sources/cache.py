@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -43,6 +44,38 @@ def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync(tmp)
     os.replace(tmp, final)
     fsync(Path(final).parent)
+
+
+def identity(path: str | os.PathLike) -> tuple | None:
+    """Which file or directory is at `path` now (device, inode), or None: taken before an entry is
+    checked, so that only that one is removed if it fails."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def remove_damaged(path: str | os.PathLike, seen: tuple | None, kind: str, what: str, why: str) -> bool:
+    """Remove the damaged entry at `path` if it is still the one checked (`seen`, its identity
+    then): another process may have removed it and published its rebuild meanwhile, which must
+    not go. Moved aside first (one rename: a reader sees the entry whole or not at all), counted
+    and said (`damaged`) by the process whose rename took it, then deleted. True if this call
+    removed it."""
+    path = Path(path)
+    if seen is None or identity(path) != seen:
+        return False
+    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.replace(path, aside)
+    except OSError:
+        return False
+    damaged(kind, what, why)
+    if aside.is_dir():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
+    return True
 
 
 def damaged(kind: str, what: str, why: str) -> None:

@@ -73,14 +73,16 @@ class Snapshots:
                 finally:
                     self.progress.pop(ranges, None)
                     preparing.finished(ranges)
+                seen = cache.identity(out)   # (before it is read: only this one is removed if it fails)
                 try:
                     snap = SnapshotSource(out, name=self.url.topic, ranges=ranges, on_damage=self._damaged)
-                    snap.bad_records = json.loads((out / "kafka.json").read_text())["bad_records"]
+                    snap.bad_records = _bad_records(out, ranges, policy)
                     break
                 except (DataLoss, OSError, ValueError, KeyError, TypeError) as e:
                     if last:
                         raise
-                    self._remove(out, _identity(out), ranges, f"{type(e).__name__}: {e}")
+                    cache.remove_damaged(out, seen, "snapshot", f"of Kafka epoch {ranges} ({out})",
+                                         f"{type(e).__name__}: {e}")
             with self._lock:
                 self._snapshots[key] = snap
             return snap
@@ -91,21 +93,7 @@ class Snapshots:
         with self._lock:
             if self._snapshots.get(snap.root.name) is snap:
                 del self._snapshots[snap.root.name]
-        self._remove(snap.root, snap.identity, snap.ranges, why)
-
-    @staticmethod
-    def _remove(out: Path, identity: tuple, ranges: str, why: str) -> None:
-        """Remove the damaged snapshot `out` if it is still the one found damaged: moved aside
-        first (one rename: no reader sees half a directory), then deleted."""
-        if identity is None or _identity(out) != identity:
-            return   # (gone, or already built again by another process: not this one to remove)
-        aside = out.with_name(out.name + f".damaged-{os.getpid()}-{threading.get_ident()}")
-        try:
-            os.replace(out, aside)
-        except OSError:
-            return   # (another process moved it first, and counted it)
-        cache.damaged("snapshot", f"of Kafka epoch {ranges} ({out})", why)
-        shutil.rmtree(aside, ignore_errors=True)
+        cache.remove_damaged(snap.root, snap.identity, "snapshot", f"of Kafka epoch {snap.ranges} ({snap.root})", why)
 
     def dir_for(self, ranges: str, policy: str, topic_id: str = "") -> Path:
         """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
@@ -250,13 +238,16 @@ class SnapshotBuild:
                  self.tokens * self.dtype.itemsize / max(took, 1e-9) / 1e6, min(READERS, len(self.parts)), out)
 
 
-def _identity(path: Path) -> tuple | None:
-    """Which directory is at `path` now (device, inode), or None."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+def _bad_records(out: Path, ranges: str, policy: str) -> int:
+    """How many bad records the snapshot's build skipped, from its kafka.json, which must say the
+    epoch, the policy and a count that agrees with the records it lists (ValueError otherwise:
+    kafka.json is not under the manifest's fingerprint, so it is checked here)."""
+    meta = json.loads((out / "kafka.json").read_text())
+    n, bad = meta["bad_records"], meta["bad"]
+    if meta["ranges"] != ranges or meta["policy"] != policy or not isinstance(n, int) \
+            or len(bad) != min(n, 1000):
+        raise ValueError(f"{out / 'kafka.json'} does not describe this epoch's build")
+    return n
 
 
 class SnapshotSource(PosixSource):
@@ -265,7 +256,7 @@ class SnapshotSource(PosixSource):
     resumes from its cursor while the epoch is read again from the topic."""
 
     def __init__(self, root: Path, *, name: str, ranges: str, on_damage):
-        self.identity = _identity(root)   # (before the manifest is read: the directory checked is this one)
+        self.identity = cache.identity(root)   # (before the manifest is read: the directory checked is this one)
         super().__init__(root, name=name)
         self.ranges, self._on_damage, self._told = ranges, on_damage, False
 

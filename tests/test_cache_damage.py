@@ -268,3 +268,86 @@ def test_a_build_under_way_counts_against_the_cache_budget(tmp_path):
 
     with pytest.raises(FailedPrecondition, match=r"0\.1 GiB.*--cache-max-gb 0\.0625 GiB"):
         st.get(30_000_000, 1, "torch")
+
+
+@pytest.mark.kafka
+def test_failover_mid_epoch_to_a_feeder_whose_snapshot_is_damaged_is_exact(kafka_broker, tmp_path):
+    """Feeder A (a sound snapshot) goes away mid-epoch; the rank resumes on feeder B, whose cache
+    holds the epoch's snapshot with a flipped byte (copied from another region's cache). B finds
+    it, counts it, reads the epoch again from the topic, and the rank's epoch is exact."""
+    import shutil
+
+    from feeder.core.config import ServeConfig
+    from feeder.core.sampler import n_samples
+    from feeder.service.server import ServerThread
+    from tests.helpers import check_batches, reference_ids
+    from tests.test_kafka_regressions import EPOCH_MB, EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+    from tests.test_kafka_snapshots import rank_batches
+
+    topic = f"snap-fo-{os.getpid()}-{time.time_ns() % 10**6}"
+    Trickle(kafka_broker, topic, partitions=3, n0=900, trickle=False).stop()
+    url = f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256"
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    a = ServerThread(ServeConfig(source=url, listen="127.0.0.1:0", cache_dir=str(cache_a)))
+    b = ServerThread(ServeConfig(source=url, listen="127.0.0.1:0", cache_dir=str(cache_b)))
+    try:
+        ranges = epoch_of(rank_batches(a.address, "warm", 0)[0])   # A builds the epoch's snapshot
+        (snap,) = [p for p in (cache_a / "kafka").iterdir() if p.is_dir()]
+        shutil.copytree(snap, cache_b / "kafka" / snap.name)
+        shard = max((p for p in (cache_b / "kafka" / snap.name).glob("*.arrow")), key=lambda p: p.stat().st_size)
+        flip_a_byte(shard, 0.6)
+        before = cache.damaged_counts()["snapshot"]
+        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=EPOCH_SEQ,
+                           micro_batch=EPOCH_MB, seed=EPOCH_SEED, read_ahead=1, max_read_ahead=1, retry_for_s=60,
+                           prefer="order", expected_fingerprint=ranges)
+        got = []
+        for batch in ds:
+            got.append(batch)
+            if len(got) == 3:
+                a.stop()   # mid-epoch: the rank resumes on B from its cursor
+        stream = epoch_stream(kafka_broker, ranges)
+        want = reference_ids(n_samples(len(stream), EPOCH_SEQ), 2, 1, shuffle=True, seed=EPOCH_SEED,
+                             drop_last=False, epoch=0)
+        check_batches(got, stream, EPOCH_SEQ, want)
+        assert len(got) > 3 and cache.damaged_counts()["snapshot"] == before + 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_failover_mid_epoch_to_a_feeder_whose_packing_is_damaged_is_exact(tmp_path):
+    """Feeder A is killed mid-epoch of a packed stream; feeder B's cache holds the packing with a
+    flipped byte (copied from A's, as a shared cache would hold it). B finds it, counts it, packs
+    again, and the rank's bins are DistributedSampler's ids over the bins the rule makes."""
+    import shutil
+
+    from tests.helpers import make_docs, packed_bins, prep_docs, reference_ids
+
+    seq = 16
+    docs = make_docs(150, seed=34)
+    (tmp_path / "data").mkdir()
+    data = prep_docs(tmp_path / "data", docs, shard_tokens=3000, chunk_tokens=700)
+    bins = packed_bins(docs, seq)
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    a = FeederProc(data, extra=["--cache-dir", str(cache_a)])
+    b = None
+    try:
+        b = FeederProc(data, extra=["--cache-dir", str(cache_b), "--metrics-port", "0"])
+        ds = FeederDataset([a.address, b.address], job="pk", rank=1, world_size=2, seq_len=seq, micro_batch=4,
+                           seed=5, packing="best_fit", prefer="order", read_ahead=1, max_read_ahead=1,
+                           idle_timeout_s=10, retry_for_s=60, num_epochs=1)
+        got = []
+        for batch in ds:
+            for row, i in zip(batch.tokens.numpy().tolist(), batch.sample_ids.tolist()):
+                assert row == bins[i].tolist(), i
+                got.append(i)
+            if len(got) == 8:
+                shutil.copytree(cache_a / "packing", cache_b / "packing", dirs_exist_ok=True)
+                flip_a_byte(next((cache_b / "packing").glob("*/start.npy")), 0.7)
+                a.signal(signal.SIGKILL)
+        assert got == reference_ids(len(bins), 2, 1, shuffle=True, seed=5, drop_last=False, epoch=0)
+        assert metric(b, 'feeder_cache_damaged_total{kind="packing"}') == 1.0
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.stop()

@@ -82,7 +82,7 @@ def test_the_feeder_serves_torchs_order_on_both_sides_of_the_threshold_without_l
         assert not loaded_torch(f.proc.pid)
         built = list((tmp_path / "cache" / "orders").glob("randperm-*"))   # (no lock or progress file left)
         assert [p.name for p in built] == [f"randperm-{'io' if n >= T else 'fwd'}-n{n}-s5.u32"]
-        assert built[0].stat().st_size == 4 * n   # stored narrow: uint32
+        assert built[0].stat().st_size == 4 * n + 64   # stored narrow: uint32 (and the 64-byte trailer of its checks)
     finally:
         f.stop()
 

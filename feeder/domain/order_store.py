@@ -167,7 +167,9 @@ class OrderStore:
 
     def _open(self, name: str, n: int) -> np.ndarray | None:
         """The order file `name`, verified whole (see the module doc) and mapped; None when it is
-        not there, or was not sound (then it is removed, and the caller builds it again)."""
+        not there, or was not sound (then it is removed, and the caller builds it again). The
+        mapping served is the one verified (of the file opened, not of whatever the name points
+        to by then: another process may replace it meanwhile)."""
         path = os.path.join(self.dir, name)
         dtype = order.order_dtype(n)
         try:
@@ -177,14 +179,14 @@ class OrderStore:
         try:
             st = os.fstat(fd)
             t0 = time.perf_counter()
-            why = self._unsound(fd, st.st_size, n, dtype)
+            why, mm = _verified(fd, st.st_size, n, dtype)
             took = time.perf_counter() - t0
-            if why:   # (removed only if it is still the file checked: another process may have rebuilt it)
-                cache.remove_damaged(path, (st.st_dev, st.st_ino), "order", f"{name} in {self.dir}", why)
-                return None
-            arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
         finally:
-            os.close(fd)
+            os.close(fd)   # (a mapping outlives its descriptor)
+        if why:   # (removed only if it is still the file checked: another process may have rebuilt it)
+            cache.remove_damaged(path, (st.st_dev, st.st_ino), "order", f"{name} in {self.dir}", why)
+            return None
+        arr = np.frombuffer(mm, dtype=dtype)   # (keeps the mapping open as long as it is used)
         self.verify_seconds += took
         log.info("order %s: verified in %.2f s (%.1f GB/s)", name, took, n * dtype.itemsize / max(took, 1e-9) / 1e9)
         os.utime(path)   # used: the last to be removed when the directory is over its budget
@@ -193,31 +195,6 @@ class OrderStore:
             while len(self._mapped) > 8:   # the mappings of epochs long gone (a job's ranks are close)
                 self._mapped.pop(next(iter(self._mapped)))
         return arr
-
-    @staticmethod
-    def _unsound(fd: int, size: int, n: int, dtype: np.dtype) -> str:
-        """Why the order file open as `fd` cannot be served ("" when it can)."""
-        body = n * dtype.itemsize
-        if size != body + TRAILER.size:   # truncated, a crash before its trailer, another order copied in
-            return f"{size:,} bytes, not the {body + TRAILER.size:,} of {n:,} ids and their trailer"
-        magic, got_n, *recorded = TRAILER.unpack(os.pread(fd, TRAILER.size, body))
-        if magic != MAGIC or got_n != n:
-            return f"its trailer is not an order's of {n:,} ids (magic {magic!r}, n {got_n:,})"
-        with mmap.mmap(fd, body, prot=mmap.PROT_READ) as mm:
-            try:
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-            except (AttributeError, OSError):
-                pass
-            ids = np.frombuffer(mm, dtype=dtype)
-            checks = order.order_checks(ids)
-            del ids   # (the mapping closes only once no array views it)
-        why = order.not_a_permutation(n, checks)
-        if why:
-            return f"not a permutation of [0, {n:,}): its {why} differ"
-        moved = [f for f, got, built in zip(order.CHECK_FIELDS[4:], checks[4:], recorded[4:]) if got != built]
-        if moved:   # a permutation still, but not the one drawn: ids swapped
-            return f"its {' and '.join(moved)} differ from the build's: ids were moved"
-        return ""
 
     def _start(self, name: str, n: int, seed: int, kind: str) -> Build:
         with self._lock:
@@ -420,6 +397,27 @@ class OrderStore:
             os.unlink(p)   # (a process that maps it keeps its pages; a new one builds it again)
             total -= s
             log.info("order cache: removed %s (over %.1f GiB)", os.path.basename(p), self.max_bytes / 2**30)
+
+
+def _verified(fd: int, size: int, n: int, dtype: np.dtype) -> tuple[str, mmap.mmap | None]:
+    """Why the order file open as `fd` cannot be served ("" when it can), and its ids mapped
+    read-only when it can."""
+    body = n * dtype.itemsize
+    if size != body + TRAILER.size:   # truncated, a crash before its trailer, another order copied in
+        return f"{size:,} bytes, not the {body + TRAILER.size:,} of {n:,} ids and their trailer", None
+    magic, got_n, *recorded = TRAILER.unpack(os.pread(fd, TRAILER.size, body))
+    if magic != MAGIC or got_n != n:
+        return f"its trailer is not an order's of {n:,} ids (magic {magic!r}, n {got_n:,})", None
+    mm = mmap.mmap(fd, body, prot=mmap.PROT_READ)
+    checks = order.order_checks(np.frombuffer(mm, dtype=dtype))
+    why = order.not_a_permutation(n, checks)
+    if why:
+        why = f"not a permutation of [0, {n:,}): its {why} differ"
+    else:
+        moved = [f for f, got, built in zip(order.CHECK_FIELDS[4:], checks[4:], recorded[4:]) if got != built]
+        if moved:   # a permutation still, but not the one drawn: ids swapped
+            why = f"its {' and '.join(moved)} differ from the build's: ids were moved"
+    return why, (None if why else mm)
 
 
 class _Stopped(Exception):

@@ -138,10 +138,11 @@ def test_failover_mid_epoch_from_a_feeder_whose_order_was_damaged_is_exact(tmp_p
                 assert metric(a, "feeder_cache_damaged_total{kind=\"order\"}") == 1.0
                 assert metric(a, "feeder_orders_built_total") == 1.0
                 a.signal(signal.SIGKILL)
-            if len(got) >= 16 * 100:
+            if len(got) >= 16 * 400:   # (~120 KB: more than A could have sent ahead into the client's window)
                 break
+        failovers = ds.client.failovers
         ds.client.close()
-        assert got == want[:len(got)]
+        assert got == want[:len(got)] and failovers >= 1
         assert os.path.getsize(path) == 4 * n + store.TRAILER.size   # A's rebuilt order, sound
     finally:
         for p in (a, b):
@@ -285,7 +286,9 @@ def test_failover_mid_epoch_to_a_feeder_whose_snapshot_is_damaged_is_exact(kafka
     from tests.test_kafka_snapshots import rank_batches
 
     topic = f"snap-fo-{os.getpid()}-{time.time_ns() % 10**6}"
-    Trickle(kafka_broker, topic, partitions=3, n0=900, trickle=False).stop()
+    # (rank 1's half of the epoch, ~300 KB, is more than the client's 64 KiB HTTP/2 window: A cannot
+    # have sent all of it before it stops)
+    Trickle(kafka_broker, topic, partitions=3, n0=12000, trickle=False).stop()
     url = f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256"
     cache_a, cache_b = tmp_path / "a", tmp_path / "b"
     a = ServerThread(ServeConfig(source=url, listen="127.0.0.1:0", cache_dir=str(cache_a)))
@@ -309,7 +312,7 @@ def test_failover_mid_epoch_to_a_feeder_whose_snapshot_is_damaged_is_exact(kafka
         want = reference_ids(n_samples(len(stream), EPOCH_SEQ), 2, 1, shuffle=True, seed=EPOCH_SEED,
                              drop_last=False, epoch=0)
         check_batches(got, stream, EPOCH_SEQ, want)
-        assert len(got) > 3 and cache.damaged_counts()["snapshot"] == before + 1
+        assert len(got) > 3 and cache.damaged_counts()["snapshot"] == before + 1 and ds.client.failovers >= 1
     finally:
         a.stop()
         b.stop()
@@ -324,7 +327,7 @@ def test_failover_mid_epoch_to_a_feeder_whose_packing_is_damaged_is_exact(tmp_pa
     from tests.helpers import make_docs, packed_bins, prep_docs, reference_ids
 
     seq = 16
-    docs = make_docs(150, seed=34)
+    docs = make_docs(600, seed=34)   # (~6,000 bins: rank 1's half, ~100 KB, is more than the client's 64 KiB window)
     (tmp_path / "data").mkdir()
     data = prep_docs(tmp_path / "data", docs, shard_tokens=3000, chunk_tokens=700)
     bins = packed_bins(docs, seq)
@@ -346,7 +349,7 @@ def test_failover_mid_epoch_to_a_feeder_whose_packing_is_damaged_is_exact(tmp_pa
                 flip_a_byte(next((cache_b / "packing").glob("*/start.npy")), 0.7)
                 a.signal(signal.SIGKILL)
         assert got == reference_ids(len(bins), 2, 1, shuffle=True, seed=5, drop_last=False, epoch=0)
-        assert metric(b, 'feeder_cache_damaged_total{kind="packing"}') == 1.0
+        assert metric(b, 'feeder_cache_damaged_total{kind="packing"}') == 1.0 and ds.client.failovers >= 1
     finally:
         for p in (a, b):
             if p is not None:

@@ -209,6 +209,17 @@ def test_a_kafka_snapshot_with_a_flipped_byte_is_read_again_from_the_topic(kafka
     before = cache.damaged_counts()["snapshot"]
     with ServerThread(ServeConfig(**cfg)) as b:   # a new process on the region's cache
         got = {r: rank_batches(b.address, "again", r, ranges) for r in (0, 1)}
+        from feeder.ops.status import fetch, render
+
+        status = fetch(b.address)   # (the status field counts what this process found: in-process, all so far)
+        assert status.cache_damaged >= 1
+        from io import StringIO
+
+        from rich.console import Console
+
+        out = StringIO()
+        Console(file=out, width=300).print(render(status, b.address))
+        assert "cache damaged=" in out.getvalue()
     assert cache.damaged_counts()["snapshot"] == before + 1
     assert len(builds(caplog)) == 2, builds(caplog)
     said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]

@@ -163,3 +163,39 @@ def test_what_marks_a_target_as_not_a_feeder():
     assert other_region("us-east", "eu-west", ("us-east", "eu-west"))
     assert not other_region("a", "local", ("a", "b")) and not other_region("us-east", "us-east", ("us-east",))
     assert not other_region("", "eu-west", ())
+
+
+def test_a_tls_server_of_another_deployment_is_passed_over_to_the_feeder(dataset, stream, tmp_path):
+    """Targets [a TLS server whose certificate another CA signed, the feeder]: the handshake
+    fails, the rank moves on at once and is served exactly; with only that server, the error names
+    it and the handshake."""
+    from feeder.ops import certs
+
+    certs.make_ca(str(tmp_path / "ca"))
+    certs.issue(str(tmp_path / "ca"), str(tmp_path), "feeder", ["localhost", "127.0.0.1"])
+    certs.make_ca(str(tmp_path / "other-ca"))
+    certs.issue(str(tmp_path / "other-ca"), str(tmp_path / "other"), "other", ["localhost", "127.0.0.1"])
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    other = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+    creds = grpc.ssl_server_credentials([((tmp_path / "other" / "other.key").read_bytes(),
+                                          (tmp_path / "other" / "other.crt").read_bytes())])
+    stranger = f"127.0.0.1:{other.add_secure_port('127.0.0.1:0', creds)}"
+    other.start()
+    try:
+        with ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", tls_cert=str(tmp_path / "feeder.crt"),
+                                      tls_key=str(tmp_path / "feeder.key"))) as srv:
+            tls = dict(tls_ca=str(tmp_path / "ca" / "ca.crt"))
+            t0 = time.monotonic()
+            ds = rank([stranger, srv.address], **tls)
+            check_batches(list(ds), stream, SEQ, expected_ids(stream, 1, 2, SEQ, SEED))
+            assert time.monotonic() - t0 < 15 and ds.client.failovers >= 1
+        alone = FeederDataset([stranger], job="t-alone", rank=0, world_size=1, seq_len=SEQ, micro_batch=MB,
+                              connect_timeout_s=2, retry_for_s=5, **tls)
+        with pytest.raises(FeederError) as e:
+            next(iter(alone))
+        alone.client.close()
+        assert stranger in str(e.value) and "\n" not in str(e.value), str(e.value)
+    finally:
+        other.stop(0)

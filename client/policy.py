@@ -93,8 +93,9 @@ class Policy:
     """Which target a rank streams from, and what to do when its stream ends.
 
     `targets` is the preference order (nearest first). `index` counts up through it, wrapping
-    around; a target that refused the rank with `feeder-elsewhere` is skipped from then on,
-    and the first refusal is raised once every target has refused. Breaks (a lost connection,
+    around; a target that refused the rank with `feeder-elsewhere`, or is not a feeder at all
+    (not_a_feeder, other_region), is skipped from then on, and once every target has refused one
+    error names each target and why. Breaks (a lost connection,
     an idle timeout, an OK end without the end marker, a corrupt batch) move to the next
     target; after a whole round of breaks without a batch it backs off (50 ms doubling, at
     most 2 s), and after `retry_for_s` of failing without a batch it gives up (after
@@ -178,8 +179,9 @@ class Policy:
     def error(self, status_name: str, message: str, why: str, now: float, elsewhere: bool = False) -> Retry | GiveUp:
         """The stream ended with a gRPC error status (its name, e.g. "UNAVAILABLE").
 
-        In this order: ended by us to fail back -> move back; `elsewhere` (the status carried
-        `feeder-elsewhere`, any code) -> a refusal, skip this target; a status not in RETRYABLE
+        In this order: ended by us to fail back -> move back; not a feeder (not_a_feeder) or
+        `elsewhere` (the status carried `feeder-elsewhere`, any code) -> a refusal, skip this
+        target; a status not in RETRYABLE
         -> GiveUp(FeederError(message)); else a break (`why` says what broke, for the log)."""
         if self.failback is not None:
             return self.failback_ended()

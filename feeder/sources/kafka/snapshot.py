@@ -24,7 +24,7 @@ import numpy as np
 
 from feeder.sources import cache, preparing
 from feeder.sources import manifest as mf
-from feeder.core.errors import DataLoss, FailedPrecondition, Unavailable, WrongReplica
+from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, Unavailable, WrongReplica
 from feeder.sources.posix import PosixSource
 from feeder.sources.shards import ShardWriter
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable
@@ -78,9 +78,11 @@ class Snapshots:
                     snap = SnapshotSource(out, name=self.url.topic, ranges=ranges, on_damage=self._damaged)
                     snap.bad_records = _bad_records(out, ranges, policy)
                     break
-                except (DataLoss, OSError, ValueError, KeyError, TypeError) as e:
+                except (DataLoss, NotFound, OSError, ValueError, KeyError, TypeError) as e:
+                    # (NotFound: another process removed a damaged copy between its build and here)
                     if last:
-                        raise
+                        raise Unavailable(f"the snapshot of Kafka epoch {ranges} could not be opened after it was "
+                                          f"built again ({type(e).__name__}: {e}); resume from the cursor") from None
                     cache.remove_damaged(out, seen, "snapshot", f"of Kafka epoch {ranges} ({out})",
                                          f"{type(e).__name__}: {e}")
             with self._lock:

@@ -8,6 +8,7 @@ the time, and the Policy says what to do next: open `Retry.target` after `Retry.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from feeder.core.errors import Code, FeederError, Unavailable
@@ -16,6 +17,39 @@ from feeder.core.errors import Code, FeederError, Unavailable
 # else is the caller's mistake or corrupt data, and is raised.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED", "INTERNAL", "UNKNOWN",
                        "RESOURCE_EXHAUSTED"})
+
+
+# HTTP statuses a proxy or ingress answers while the feeder behind it is away (restarting,
+# overloaded): a break, tried again later. Any other HTTP answer means the target is not a feeder.
+HTTP_TRANSIENT = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def not_a_feeder(status_name: str, details: str) -> str:
+    """Why a target that answered a Stream call so is not a feeder at all ("" when it may be):
+    a gRPC server without the feeder service (UNIMPLEMENTED), a web server or an ingress
+    answering with an HTTP error (gRPC maps HTTP 404 to UNIMPLEMENTED, 403 to PERMISSION_DENIED,
+    which would otherwise end the rank at once), an HTTP/1 server. Such a target is skipped from
+    then on, as one that refused the rank (issue 34: the rank raised `Method not found!` and
+    never tried the feeder listed after it)."""
+    low = details.lower()
+    http = re.search(r"received http2 header with status: (\d+)", low)
+    if http:
+        status = int(http.group(1))
+        return "" if status in HTTP_TRANSIENT else f"answers HTTP {status}: a web server or ingress, not a feeder"
+    if "http1.x" in low or "failed parsing http/2" in low:   # (gRPC's words for an HTTP/1 answer)
+        return "speaks HTTP/1 (or another protocol), not gRPC: not a feeder"
+    if status_name == "UNIMPLEMENTED":
+        return f"not a feeder (UNIMPLEMENTED: {details.partition(': ')[2] or details})"
+    return ""
+
+
+def other_region(named: str, says: str, regions) -> str:
+    """Why a target named for region `named` is not that region's feeder ("" when it may be): it
+    says it is `says`, another of the rank's regions (a DNS name or a port pointing at the wrong
+    feeder). A name that is none of the feeders' regions is only a label, and not held to."""
+    if named and says and says != named and says in regions:
+        return f"answers for region {says!r}, not {named!r}"
+    return ""
 
 
 def code_of(status_name: str) -> Code:
@@ -59,8 +93,9 @@ class Policy:
     """Which target a rank streams from, and what to do when its stream ends.
 
     `targets` is the preference order (nearest first). `index` counts up through it, wrapping
-    around; a target that refused the rank with `feeder-elsewhere` is skipped from then on,
-    and the first refusal is raised once every target has refused. Breaks (a lost connection,
+    around; a target that refused the rank with `feeder-elsewhere`, or is not a feeder at all
+    (not_a_feeder, other_region), is skipped from then on, and once every target has refused one
+    error names each target and why. Breaks (a lost connection,
     an idle timeout, an OK end without the end marker, a corrupt batch) move to the next
     target; after a whole round of breaks without a batch it backs off (50 ms doubling, at
     most 2 s), and after `retry_for_s` of failing without a batch it gives up (after
@@ -121,25 +156,40 @@ class Policy:
         self.failbacks += 1
         return Retry(self.target)
 
-    def _refused_here(self, message: str, code: Code) -> Retry | GiveUp:
-        # This feeder cannot serve us (another replica, dataset not here); others may: the
-        # next one that has not refused, at once.
+    def refuse(self, message: str, code: Code) -> Retry | GiveUp:
+        """The current target cannot serve this rank, now or later (another replica, dataset
+        not here, not a feeder at all, a feeder of another region): skipped from now on; the
+        next one that has not refused, at once. Once every target has refused, GiveUp with one
+        line naming each target and why, with the first refusal's code."""
         self.refused.setdefault(self.target, FeederError(message, code=code))
         if len(self.refused) == len(set(self.targets)):
-            return GiveUp(next(iter(self.refused.values())))
+            first = next(iter(self.refused.values()))
+            return GiveUp(FeederError(f"no target can serve rank {self.rank}: {self.each()}", code=first.code))
         self._skip_refused()
         return Retry(self.target)
+
+    def each(self) -> str:
+        """Every target and why it failed last (its refusal, its last break, or not tried), one line."""
+        def why(t: str) -> str:
+            if t in self.refused:
+                return _without_target(str(self.refused[t]), t)
+            return self.last_failure.get(t, "not tried")
+        return "; ".join(f"{t}: {why(t)}" for t in dict.fromkeys(self.targets))
 
     def error(self, status_name: str, message: str, why: str, now: float, elsewhere: bool = False) -> Retry | GiveUp:
         """The stream ended with a gRPC error status (its name, e.g. "UNAVAILABLE").
 
-        In this order: ended by us to fail back -> move back; `elsewhere` (the status carried
-        `feeder-elsewhere`, any code) -> a refusal, skip this target; a status not in RETRYABLE
+        In this order: ended by us to fail back -> move back; not a feeder (not_a_feeder) or
+        `elsewhere` (the status carried `feeder-elsewhere`, any code) -> a refusal, skip this
+        target; a status not in RETRYABLE
         -> GiveUp(FeederError(message)); else a break (`why` says what broke, for the log)."""
         if self.failback is not None:
             return self.failback_ended()
+        wrong = not_a_feeder(status_name, message)
+        if wrong:
+            return self.refuse(f"{self.target}: {wrong}", Code.UNAVAILABLE)
         if elsewhere:
-            return self._refused_here(message, code_of(status_name))
+            return self.refuse(message, code_of(status_name))
         if status_name not in RETRYABLE:
             return GiveUp(FeederError(message, code=code_of(status_name)))
         return self.broke(why, now)
@@ -155,12 +205,11 @@ class Policy:
         self.failing_since = self.failing_since or now
         self.last_failure[self.target] = why.partition(": ")[2] or why
         if not self.answered and self.connect_timeout_s and now - self.started >= self.connect_timeout_s:
-            tried = "; ".join(f"{t}: {self.last_failure.get(t, 'not tried')}" for t in dict.fromkeys(self.targets))
             return GiveUp(Unavailable(f"no feeder answered rank {self.rank} within connect_timeout_s="
-                                      f"{self.connect_timeout_s:g}: {tried}"))
+                                      f"{self.connect_timeout_s:g}: {self.each()}"))
         if now - self.failing_since > self.retry_for_s:
-            return GiveUp(Unavailable(f"no feeder could serve rank {self.rank} for {self.retry_for_s:.0f}s; "
-                                      f"last error: {why}"))
+            return GiveUp(Unavailable(f"no feeder could serve rank {self.rank} for {self.retry_for_s:.0f}s: "
+                                      f"{self.each()}"))
         self.index += 1
         self._skip_refused()
         self.failovers += 1
@@ -197,3 +246,11 @@ class Policy:
             return False
         self.failback = i
         return True
+
+
+def _without_target(message: str, target: str) -> str:
+    """A refusal's message without the target it begins with ("feeder T: why" -> "why")."""
+    for prefix in (f"feeder {target}: ", f"{target}: "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message

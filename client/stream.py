@@ -26,7 +26,7 @@ from .config import PLAIN, ClientConfig, process_started_ns
 from .decode import DTYPES, FeederBatch, decode, pinned
 from .handoff import END as _END
 from .handoff import Handoff
-from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, rtt_step
+from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, other_region, rtt_step
 from .transport import Transport, channel_options, feeder_info, measure_rtt
 from feeder.core.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
 from feeder.core.malloc import keep_freed_memory
@@ -56,6 +56,10 @@ def _close_open_clients() -> None:
             client.close()
         except Exception as e:   # exiting anyway: one line, never a traceback
             log.debug("closing a feeder client at exit: %r", e)
+
+
+class _NotThisTarget(Exception):
+    """The target answered as a feeder of another of the rank's regions (policy.other_region)."""
 
 
 class Incomplete(Exception):
@@ -114,6 +118,7 @@ class FeederClient:
         self.policy = Policy(self.targets, cfg.retry_for_s, cfg.failback_s, time.monotonic(), cfg.spec.rank,
                              connect_timeout_s=cfg.connect_timeout_s)
         self._answered: set[str] = set()   # targets that answered us once: their breaks are no TLS mismatch
+        self._named = dict(zip(cfg.targets, cfg.regions))   # target -> the region it was named for (if any)
         self.transport = Transport(cfg)
         self._step_ema: float | None = None
         self._taken = 0
@@ -339,6 +344,12 @@ class FeederClient:
             elif isinstance(action, Retry) and self.policy.worth_logging(target, why):
                 log.warning("stream broke (%s: %s); failing over to %s", target, why, action.target)
             return action
+        except _NotThisTarget as e:
+            why = f"{target}: {e}"
+            action = self.policy.refuse(why, Code.UNAVAILABLE)
+            if isinstance(action, Retry):
+                log.error("target %s %s; trying the next", target, e)
+            return action
         except Incomplete:
             why = f"{target}: the stream ended without its end marker"
             action = self.policy.broke(why, time.monotonic())
@@ -371,6 +382,10 @@ class FeederClient:
                 self._waiting_since = None
             self._opened = True
             self._answered.add(target)
+            wrong = other_region(self._named.get(target, ""), reply.region, self.cfg.regions)
+            if wrong:   # (before any of its batches is handed over)
+                call.cancel()
+                raise _NotThisTarget(wrong)
             if reply.region != self.region:
                 log.info("rank %d fed by region %s (%s)", self.cfg.spec.rank, reply.region, target)
                 self.region = reply.region

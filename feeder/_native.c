@@ -676,6 +676,93 @@ static PyObject *mac_py(PyObject *self, PyObject *args) {
  * with the largest weights[d] * max(i, 1) - count[d] (ties to the lowest d), and draw[i] is
  * count[d] before it. The same double arithmetic, so the counts are Megatron's bit for bit.
  * weights: float64 [D] (normalized), index: int16 [n] (out), draw: int64 [n] (out). */
+/* Sums of a narrow order's ids p[0..n) at index base.. (below): ids and indexes below 2^32, so
+ * every product is one 32x32->64 multiply, which vectorizes (pmuludq); built twice, for AVX2
+ * where the CPU has it. Accumulates into acc = [sum, sum of squares, xor, max, sum of i * x_i]. */
+#define ORDER_SUMS32_BODY                                                                   \
+    uint64_t s = 0, q = 0, w = 0;                                                           \
+    uint32_t x = 0, m = 0;                                                                  \
+    for (uint32_t i = 0; i < n; i++) {                                                      \
+        uint32_t v = p[i];                                                                  \
+        s += v;                                                                             \
+        q += (uint64_t)v * v;                                                               \
+        x ^= v;                                                                             \
+        m = v > m ? v : m;                                                                  \
+        w += (uint64_t)(base + i) * v;                                                      \
+    }                                                                                       \
+    acc[0] += s; acc[1] += q; acc[2] ^= x; acc[3] = m > acc[3] ? m : acc[3]; acc[4] += w;
+static void order_sums32(const uint32_t *p, uint32_t base, uint32_t n, uint64_t *acc) { ORDER_SUMS32_BODY }
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static void order_sums32_avx2(const uint32_t *p, uint32_t base, uint32_t n,
+                                                              uint64_t *acc) {
+    ORDER_SUMS32_BODY
+}
+#endif
+
+/* order_check(order, itemsize, out u64[6]): what verifies an epoch order file, at memory
+ * bandwidth (feeder/domain/order_store.py, feeder/core/order.py's order_checks, which calls this
+ * per block from several threads): out = [sum, sum of squares, xor, max, sum of (i + 1) * x_i with
+ * i counted from the buffer's start, crc32c of the bytes], all mod 2^64. The first four are what
+ * any permutation of [0, n) must have (damage that changes the multiset of ids: overwritten,
+ * zeroed, out-of-range entries); the last two depend on where each id lies (swaps, which keep
+ * every sum: a swap of x_i and x_j moves the weighted sum by (i - j)(x_j - x_i), never 0 mod
+ * 2^64 while both factors are below 2^32). One pass: each 256 KiB is summed and then its CRC
+ * continued while it is in cache, so memory is read once. */
+static PyObject *order_check(PyObject *self, PyObject *args) {
+    Py_buffer b, o;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "y*iw*", &b, &itemsize, &o)) return NULL;
+    size_t n = itemsize > 0 ? (size_t)b.len / (size_t)itemsize : 0;
+    if ((itemsize != 4 && itemsize != 8) || b.len % itemsize || o.len != 6 * 8 || (itemsize == 4 && n > 0xFFFFFFFFull)) {
+        PyErr_Format(PyExc_ValueError, "order_check: itemsize %d over %zd bytes into %zd", itemsize, b.len, o.len);
+        PyBuffer_Release(&b);
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    uint64_t *out = (uint64_t *)o.buf;
+    Py_BEGIN_ALLOW_THREADS
+    const size_t step = (256u << 10) / (size_t)itemsize;   /* ids per part: summed, then CRC'd while in cache */
+    const unsigned char *bytes = (const unsigned char *)b.buf;
+    uint64_t acc[5] = {0, 0, 0, 0, 0};
+    uint32_t crc = 0;
+    if (itemsize == 4) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        int avx2 = __builtin_cpu_supports("avx2");
+#endif
+        for (size_t at = 0; at < n; at += step) {
+            uint32_t k = (uint32_t)(n - at < step ? n - at : step);
+            const uint32_t *p = (const uint32_t *)b.buf + at;
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (avx2) order_sums32_avx2(p, (uint32_t)at, k, acc);
+            else
+#endif
+            order_sums32(p, (uint32_t)at, k, acc);
+            crc = crc32c(crc, bytes + at * 4, (size_t)k * 4);
+        }
+        acc[4] += acc[0];   /* sum of (i + 1) x_i */
+    } else {
+        const uint64_t *p = (const uint64_t *)b.buf;
+        for (size_t at = 0; at < n; at += step) {
+            size_t end = n - at < step ? n : at + step;
+            for (size_t i = at; i < end; i++) {
+                uint64_t v = p[i];
+                acc[0] += v;
+                acc[1] += v * v;
+                acc[2] ^= v;
+                acc[3] = v > acc[3] ? v : acc[3];
+                acc[4] += (uint64_t)(i + 1) * v;
+            }
+            crc = crc32c(crc, bytes + at * 8, (end - at) * 8);
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+    out[5] = crc;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&o);
+    Py_RETURN_NONE;
+}
+
 static PyObject *blend(PyObject *self, PyObject *args) {
     Py_buffer w, idx, draw;
     if (!PyArg_ParseTuple(args, "y*w*w*", &w, &idx, &draw)) return NULL;
@@ -1348,6 +1435,8 @@ static PyMethodDef methods[] = {
     {"ids", ids, METH_VARARGS, "ids(payload, itemsize, eos) -> (lo, hi, ids + [eos] as a bytearray, or None if eos < 0)"},
     {"mac", mac_py, METH_VARARGS, "mac(key64, body) -> HMAC-SHA256 (the key already its 64-byte block)"},
     {"rows", rows_py, METH_VARARGS, "rows(pieces, skip, L, mb, itemsize) -> mb overlapping rows of L + 1 items"},
+    {"order_check", order_check, METH_VARARGS,
+     "order_check(order, itemsize, out u64[6]): sum, sum of squares, xor, max, sum of (i+1)*x_i, crc32c"},
     {"blend", blend, METH_VARARGS, "blend(weights f8[D], index i2[n] out, draw i8[n] out): Megatron's blending"},
     {NULL, NULL, 0, NULL}};
 

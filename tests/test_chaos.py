@@ -2,7 +2,8 @@
 
 COVERAGE together covers every fault kind (feeder SIGKILL/SIGTERM/SIGSTOP, reset and blackhole
 through a proxy, a corrupt replica, a superseding stream, a trainer restart from a checkpoint,
-a world-size change, a new DataLoader pass, a rank disagreeing with its job) and every worker
+a world-size change, a new DataLoader pass, a rank disagreeing with its job, the cache directory
+damaged under the feeders) and every worker
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
 spread over feeders, finite and unbounded streams, one dataset and mixtures of several, torch's
 order and the stateless one, concat windows and best-fit bins (checked against bins packed by
@@ -109,10 +110,23 @@ def test_chaos_seed(seed, request):
 @pytest.mark.kafka
 def test_chaos_kafka_mixture_with_a_sigterm_a_corrupt_replica_and_a_trainer_restart(request):
     """A mixture of a file source and a bounded topic on 3 feeders of one region: one feeder
-    SIGTERMed and restarted, a corrupt replica, the trainer restarted from its checkpoint."""
+    SIGTERMed and restarted, a corrupt replica, the trainer restarted from its checkpoint, the
+    region's cache damaged under its feeders, which are restarted on it (issue 34)."""
     sc = Scenario.from_seed(1043)
     assert sc.kafka == (1,) and len(sc.mixture) == 2
     _run(1043, request)
+
+
+@pytest.mark.kafka
+def test_chaos_cache_damage_of_a_snapshot_and_a_packing_met_by_restarted_feeders(request):
+    """Issue 34's fault: a byte flipped in the Kafka epoch's snapshot and in the packing of the
+    region's cache, every feeder SIGKILLed and started again on it. The restarted feeders find
+    both damaged, rebuild them (the snapshot from the topic) and the ranks get exactly their
+    bins, after a trainer restart too."""
+    sc = Scenario.from_seed(343)
+    assert sc.kafka == (0,) and sc.packing == "best_fit" and "cache-damage" in {f.kind for f in sc.faults}
+    res = _run(343, request)
+    assert res.faults["cache_entries_damaged"] == 2
 
 
 @pytest.mark.kafka

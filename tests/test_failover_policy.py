@@ -56,13 +56,13 @@ def test_a_batch_forgets_the_failures_before_it():
     assert isinstance(p.broke("x", now=109.0), Retry)
 
 
-def test_gives_up_after_retry_for_s_without_a_batch_naming_the_last_error():
+def test_gives_up_after_retry_for_s_without_a_batch_naming_each_target_and_its_last_error():
     p = policy(retry_for_s=5.0)
     assert isinstance(p.broke("a:1: first", now=100.0), Retry)
     assert isinstance(p.broke("b:1: second", now=105.0), Retry)   # 5 s is not past 5 s
     act = p.broke("c:1: connection refused", now=105.5)
     assert isinstance(act, GiveUp) and act.error.code == Code.UNAVAILABLE
-    assert str(act.error) == ("no feeder could serve rank 3 for 5s; last error: c:1: connection refused")
+    assert str(act.error) == ("no feeder could serve rank 3 for 5s: a:1: first; b:1: second; c:1: connection refused")
 
 
 @pytest.mark.parametrize("status", sorted(RETRYABLE))
@@ -90,7 +90,9 @@ def test_a_refusal_elsewhere_skips_that_target_for_good_and_is_raised_only_when_
     assert p.error("NOT_FOUND", "feeder b:1: dataset not here", "", 3.0, elsewhere=True) == Retry(C)
     act = p.error("FAILED_PRECONDITION", "feeder c:1: fingerprint mismatch", "", 4.0, elsewhere=True)
     assert isinstance(act, GiveUp)
-    assert act.error.code == Code.DATA_LOSS and str(act.error) == "feeder a:1: corrupt shard"   # the first refusal
+    # one line naming each target and why, with the first refusal's code (issue 34)
+    assert act.error.code == Code.DATA_LOSS and str(act.error) == (
+        "no target can serve rank 3: a:1: corrupt shard; b:1: dataset not here; c:1: fingerprint mismatch")
 
 
 def test_a_target_listed_twice_refuses_once():

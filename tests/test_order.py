@@ -82,7 +82,7 @@ def test_the_feeder_serves_torchs_order_on_both_sides_of_the_threshold_without_l
         assert not loaded_torch(f.proc.pid)
         built = list((tmp_path / "cache" / "orders").glob("randperm-*"))   # (no lock or progress file left)
         assert [p.name for p in built] == [f"randperm-{'io' if n >= T else 'fwd'}-n{n}-s5.u32"]
-        assert built[0].stat().st_size == 4 * n   # stored narrow: uint32
+        assert built[0].stat().st_size == 4 * n + 64   # stored narrow: uint32 (and the 64-byte trailer of its checks)
     finally:
         f.stop()
 
@@ -396,6 +396,7 @@ def test_review_a_truncated_order_file_is_built_again_and_an_orphaned_build_remo
     orders = tmp_path / "cache" / "orders"
     orders.mkdir(parents=True)
     (orders / name).write_bytes(b"\0" * 1000)
+    from feeder.domain import order_store as store
     from feeder.domain.order_store import _HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -406,7 +407,7 @@ def test_review_a_truncated_order_file_is_built_again_and_an_orphaned_build_remo
     try:
         got = [i for b in served(f, n_batches=2, seed=3, world_size=2, idle_timeout_s=10) for i in b.sample_ids.tolist()]
         assert got == torch_rank_ids(n, 2, 0, 3)[:len(got)]
-        assert (orders / name).stat().st_size == 4 * n
+        assert (orders / name).stat().st_size == 4 * n + store.TRAILER.size
         assert not orphan.exists()
     finally:
         f.stop()

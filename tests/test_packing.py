@@ -484,9 +484,19 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
     def bad_stats():
         (where / "stats.json").write_text("{")
 
-    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats), 1):
+    def flipped_byte():   # (issue 34)
+        from tests.test_cache_damage import flip_a_byte
+
+        flip_a_byte(where / "length.npy", 0.9)
+
+    from feeder.sources import cache
+
+    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats, flipped_byte), 1):
         damage()
+        before = cache.damaged_counts()["packing"]
         assert served(f"bf-side-{k}") == want, damage.__name__
+        assert cache.damaged_counts()["packing"] == before + 1, damage.__name__   # said and counted once
+        assert not [p for p in where.parent.iterdir() if ".damaged-" in p.name]
 
 
 def test_review_the_integrations_inputs_keep_documents_apart_in_a_hugging_face_model(feeder):
@@ -603,3 +613,25 @@ def test_review_a_packing_build_does_not_hold_up_other_packings_or_status(format
     finally:
         release.set()
         other.join(30)
+
+
+def test_a_document_that_fills_a_bin_exactly_is_not_cut_and_one_token_longer_is():
+    """Issue 34 asked whether a document of exactly seq_len + 1 tokens is cut. A bin holds
+    seq_len + 1 tokens, and a document is counted with the EOS after it (docs/packing.md, rule 1):
+    seq_len tokens and its EOS fill one bin whole, not cut, not counted as truncated; seq_len + 1
+    tokens and its EOS are one token longer than a bin: one whole bin, and the EOS as the remainder
+    (the code, the oracle and the rule agree)."""
+    from feeder.core.layout import best_fit
+    from tests.helpers import packed_bins
+
+    seq_len = 8
+    exact, longer, short = "a" * seq_len, "b" * (seq_len + 1), "c" * 3
+    for docs, bins, cut in (([exact, short], 2, 0), ([longer, short], 2, 1)):
+        lengths = np.array([len(d) + 1 for d in docs])
+        p = best_fit(np.concatenate([[0], np.cumsum(lengths)[:-1]]), int(lengths.sum()), seq_len + 1)
+        assert p.n_bins == bins == len(packed_bins(docs, seq_len)), docs
+        assert int(np.count_nonzero(lengths > seq_len + 1)) == cut   # what stats.json calls truncated
+        first = p.length[p.ptr[0]:p.ptr[1]].tolist()
+        assert first == [seq_len + 1]   # the first document's bin: whole, alone
+    oracle = packed_bins([exact, short], seq_len)
+    assert oracle[0].tolist() == [*b"a" * seq_len, 256]   # the exact one with its EOS, uncut

@@ -358,7 +358,7 @@ class ServeConfig:
         _positive("processes", self.processes, upper=256)
         if isinstance(self.cache_max_gb, bool) or not isinstance(self.cache_max_gb, (int, float)) \
                 or not 0 < self.cache_max_gb < float("inf"):
-            raise InvalidArgument(f"cache_max_gb must be a positive number of GB, got {shown(self.cache_max_gb)}")
+            raise InvalidArgument(f"cache_max_gb must be a positive number of GiB, got {shown(self.cache_max_gb)}")
         if isinstance(self.scrub_mb_s, bool) or not isinstance(self.scrub_mb_s, (int, float)) \
                 or not 0 <= self.scrub_mb_s < float("inf"):
             raise InvalidArgument(f"scrub_mb_s must be a non-negative number (0: off), got {shown(self.scrub_mb_s)}")

@@ -25,6 +25,7 @@ agree, or nothing is shuffled), so ranks and cursors are compared on what makes 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -250,6 +251,84 @@ def torch_randperm(n: int, seed: int, kind: str, out: np.ndarray | None = None,
     return out, stopped
 
 
+# -- what a stored order must satisfy (feeder.domain.order_store verifies its files by these) --
+
+try:
+    from feeder._native import order_check as _order_check
+except ImportError:  # no C compiler at install: numpy, in parts, ~10x slower
+    _order_check = None
+
+_M64 = (1 << 64) - 1
+CHECK_FIELDS = ("sum", "sum_sq", "xor", "max", "weighted", "blocks_crc32c")
+CHECK_BLOCK_BYTES = 16 << 20   # the unit of the CRC digest (fixed: the digest is part of the file format)
+_FNV_PRIME, _FNV_OFFSET = 0x100000001B3, 0xCBF29CE484222325
+
+
+def permutation_sums(n: int) -> tuple[int, int, int]:
+    """(sum, sum of squares mod 2^64, xor) of any permutation of [0, n): what a stored order's
+    ids must add up to whatever their positions."""
+    m = n - 1
+    xor = 0 if n <= 0 else (m, 1, m + 1, 0)[m % 4]   # 0 ^ 1 ^ ... ^ m
+    return (n * m // 2) & _M64, (m * n * (2 * m + 1) // 6) & _M64, xor
+
+
+def order_checks(ids: np.ndarray, threads: int = 0) -> tuple[int, ...]:
+    """CHECK_FIELDS of an order (uint32 or uint64 ids, any length), all mod 2^64: the sums a
+    permutation fixes, the largest id, and two that depend on where each id lies (Σ (i+1)·x_i;
+    the CRC-32C of each CHECK_BLOCK_BYTES block, folded in order, FNV-1a style, into 64 bits).
+    Blocks are checked on `threads` threads (0: up to 8, as the cores allow), each in one pass
+    at memory bandwidth (C): torch's 10^9 order, 4 GB, in ~0.3 s on 8 cores of a server."""
+    ids = np.ascontiguousarray(ids)
+    if ids.dtype not in (np.uint32, np.uint64):
+        raise ValueError(f"an order is uint32 or uint64, got {ids.dtype}")
+    per = CHECK_BLOCK_BYTES // ids.itemsize
+    starts = range(0, len(ids), per)
+    threads = threads or min(8, os.cpu_count() or 1, max(1, len(starts)))
+    if threads > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="feeder-order-check") as pool:
+            parts = list(pool.map(lambda at: _block_checks(ids[at:at + per]), starts))
+    else:
+        parts = [_block_checks(ids[at:at + per]) for at in starts]
+    s = q = x = m = w = 0
+    digest = _FNV_OFFSET
+    for at, (bs, bq, bx, bm, bw, crc) in zip(starts, parts):   # (one step per 16 MB block)
+        s, q, x, m = s + bs, q + bq, x ^ bx, max(m, bm)
+        w += bw + at * bs    # the block's Σ (i+1)·x_i counted i from its start
+        digest = ((digest ^ crc) * _FNV_PRIME) & _M64
+    return s & _M64, q & _M64, x, m, w & _M64, digest
+
+
+def _block_checks(ids: np.ndarray) -> tuple[int, ...]:
+    """One block's sums (Σ (i+1)·x_i with i from the block's start) and CRC-32C, in C where built."""
+    if _order_check is not None:
+        out = np.zeros(6, dtype=np.uint64)
+        _order_check(ids.view(np.uint8).reshape(-1), ids.itemsize, out)
+        return tuple(int(v) for v in out)
+    import google_crc32c   # (only a build without the C extension: the wire's CRC library)
+
+    with np.errstate(over="ignore"):
+        v = ids.astype(np.uint64)
+        w = int((v * np.arange(1, len(v) + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+        return (int(v.sum(dtype=np.uint64)), int((v * v).sum(dtype=np.uint64)),
+                int(np.bitwise_xor.reduce(v)) if len(v) else 0, int(v.max()) if len(v) else 0, w,
+                google_crc32c.value(ids.tobytes()))
+
+
+def not_a_permutation(n: int, checks: tuple[int, ...]) -> str:
+    """Why ids with these order_checks cannot be a permutation of [0, n) ("" when they may be).
+    Catches any damage that changes which ids the order holds: an entry overwritten or zeroed
+    (one changed entry always moves the sum; changes that keep the sum move the sum of squares
+    or the xor, short of a contrived coincidence), an id ≥ n. Swaps keep all three: only a
+    digest of positions (Σ (i+1)·x_i, a CRC) recorded at build catches those."""
+    s, q, x, m = checks[:4]
+    want = permutation_sums(n)
+    wrong = [name for name, got, exp in (("sum", s, want[0]), ("sum of squares", q, want[1]), ("xor", x, want[2]))
+             if got != exp]
+    if n and m >= n:
+        wrong.append(f"largest id {m:,} ≥ n")
+    return ", ".join(wrong)
 # The kinds released so far, with their cursor bytes (append only).
 register(OrderKind("", 0, lambda n, seed: torch_randperm(n, seed, "")[0], materialized=True, needs_c=True, torch=True))
 register(OrderKind("torch", 1, lambda n, seed: torch_randperm(n, seed, "torch")[0], materialized=True, needs_c=True,

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from feeder import __version__
-from feeder.sources import preparing
+from feeder.sources import cache, preparing
 from feeder.core import blend as blending
+from feeder.core import scope
 from feeder.sources import packed
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.cursor import Cursor, Mixture
@@ -60,7 +61,9 @@ class Engine:
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
         if src is None:
-            raise NotFound(f"dataset {name!r} is not served here (served: {sorted(self.sources)})", elsewhere=True)
+            served = scope.current().names(self.sources, "dataset")   # (those the caller may read)
+            raise NotFound(f"dataset {name!r} is not served here (served: {served or 'none it may read'})",
+                           elsewhere=True)
         return src
 
     def compression(self, requested: str, level: int, rtt_us: int) -> tuple[str, int]:
@@ -82,6 +85,7 @@ class Engine:
             rss_mb=self.rss_mb(), tasks=len(asyncio.all_tasks()), threads=threading.active_count(), processes=1,
             building=tuple(b.describe() for b in self.orders.builds()),
             packings=tuple(packed.describe(p) for p in packed.built()),
+            cache_damaged=sum(cache.damaged_counts().values()),
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,

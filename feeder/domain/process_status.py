@@ -71,3 +71,4 @@ class ProcessStatus:
     building: tuple[str, ...] = ()   # builds under way (epoch orders), each with how far
     preparing: tuple[str, ...] = ()   # what streams that cannot start yet wait for (feeder.preparing)
     packings: tuple[str, ...] = ()   # the best-fit packings served (feeder.sources.packed.describe)
+    cache_damaged: int = 0       # cache entries found damaged, removed and rebuilt (feeder.sources.cache)

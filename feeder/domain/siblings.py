@@ -72,6 +72,7 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         out.threads += r.threads
         out.chunks_changed += r.chunks_changed
         out.scrubbed_bytes += r.scrubbed_bytes
+        out.cache_damaged += r.cache_damaged
         out.building.extend(b for b in r.building if b not in out.building)
         out.preparing.extend(p for p in r.preparing if p not in out.preparing)
         out.packings.extend(p for p in r.packings if p not in out.packings)

@@ -149,8 +149,8 @@ def add_serve(sub) -> None:
                    "that reads it: epoch orders of torch's permutation (DIR/orders; default ~/.cache/feeder) and "
                    "Kafka bounded epochs' snapshots (DIR/kafka; a Kafka URL's ?spool= wins for its topic). On the "
                    "region's shared filesystem each is built once per region")
-    s.add_argument("--cache-max-gb", type=float, help="the cache directory's budget for orders, least recently "
-                   "used removed first (default 64)")
+    s.add_argument("--cache-max-gb", type=float, help="the cache directory's budget for orders in GiB (2^30 "
+                   "bytes; builds under way count), least recently used removed first (default 64)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; printed at start)")
     s.add_argument("--metrics-host", default="", help="address for /metrics (default 127.0.0.1: loopback; with "

@@ -36,6 +36,8 @@ def render(reply, target: str):
     procs = f"  processes={reply.processes}" if reply.processes > 1 else ""
     # A chunk changed on disk under a running feeder is news an operator must not miss.
     changed = f"  CHUNKS CHANGED ON DISK={reply.chunks_changed} (DATA_LOSS)" if reply.chunks_changed else ""
+    # Cache entries found damaged were rebuilt, not served; still a sign of a failing disk or host.
+    changed += f"  cache damaged={reply.cache_damaged} (rebuilt)" if reply.cache_damaged else ""
     t = Table(title=f"feeder {target}  region={reply.region}{procs}  up {reply.uptime_s:.0f}s  "
                     f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB  "
                     f"scrubbed={reply.scrubbed_bytes / 2**20:.0f} MiB{changed}", title_justify="left")

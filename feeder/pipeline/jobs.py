@@ -17,6 +17,7 @@ import numpy as np
 
 from feeder.core.config import StreamSpec
 from feeder.core.errors import FailedPrecondition, NotFound
+from feeder.core import scope
 from feeder.core.sampling_key import job_key, job_mismatch
 from feeder.pipeline.batcher import Block
 
@@ -152,8 +153,9 @@ class Job:
 
 
 def unknown_job(job: str, known) -> NotFound:
-    """The error for a job nobody streams here, naming those that are (one process's or all's)."""
-    return NotFound(f"job {job!r} is not known to this feeder (known: {sorted(known) or 'none'})")
+    """The error for a job nobody streams here, naming those that are (one process's or all's)
+    and that the caller may see (feeder.core.scope: another team's job names are not said)."""
+    return NotFound(f"job {job!r} is not known to this feeder (known: {scope.current().names(known) or 'none'})")
 
 
 class Jobs:

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import DecodeError
 
+from feeder.core import scope
 from feeder.core.config import StreamSpec
 from feeder.core.errors import ELSEWHERE, Code, FeederError, InvalidArgument
 from feeder.domain.process_status import ProcessStatus
+from feeder.pipeline.jobs import unknown_job
 from feeder.v1 import feeder_pb2 as pb
 
 if TYPE_CHECKING:
@@ -144,7 +146,7 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
                            processes=status.processes, chunks_changed=status.chunks_changed,
                            scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
-                           packings=status.packings)
+                           packings=status.packings, cache_damaged=status.cache_damaged)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
         for r in j.ranks:
@@ -154,9 +156,31 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
     return reply
 
 
+def scoped_status(reply: pb.StatusReply, job: str = "") -> pb.StatusReply:
+    """A StatusReply (this process's, or all processes' of the port merged) cut to one job
+    (NOT_FOUND naming only the jobs the caller may see) and to the caller's scope: its jobs, the
+    packings of its datasets; what is being built or prepared (orders, snapshots: shared by
+    every team, named by no dataset) only to a caller who may see everything."""
+    sc = scope.current()
+    keep = [j for j in reply.jobs if (not job or j.job == job) and sc.job(j.job, j.dataset)]
+    if job and not keep:
+        raise unknown_job(job, (j.job for j in reply.jobs if sc.job(j.job, j.dataset)))
+    if len(keep) != len(reply.jobs):
+        del reply.jobs[:]
+        reply.jobs.extend(keep)
+    if not sc.everything:
+        packings = [p for p in reply.packings if sc.dataset(p.split(" seq_len ", 1)[0])]   # (packed.describe)
+        del reply.packings[:]
+        reply.packings.extend(packings)
+        del reply.building[:]
+        del reply.preparing[:]
+    return reply
+
+
 def info_reply(engine: Engine, src: Source, fingerprint: str) -> pb.InfoReply:
-    """The InfoReply of a dataset served by this engine."""
+    """The InfoReply of a dataset served by this engine (naming the datasets the caller may read)."""
     return pb.InfoReply(fingerprint=fingerprint, n_tokens=src.n_tokens, n_documents=src.n_documents,
                         vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],
-                        region=engine.cfg.region, version=engine.version, datasets=sorted(engine.sources),
+                        region=engine.cfg.region, version=engine.version,
+                        datasets=scope.current().names(engine.sources, "dataset"),
                         peers=dict(engine.cfg.peers))

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from feeder.sources import preparing
+from feeder.sources import cache, preparing
 from feeder.core.errors import Unavailable
 from feeder.domain.engine import member_status
 from feeder.pipeline.jobs import READ_BUCKETS
@@ -68,6 +68,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_order_build_ratio": ("gauge", "How far each epoch order under way here is built (0..1)", ("order",)),
     "feeder_orders_built_total": ("counter", "Epoch orders this process built", ()),
     "feeder_order_build_seconds_total": ("counter", "Seconds this process spent building epoch orders", ()),
+    "feeder_order_verify_seconds_total": ("counter", "Seconds this process spent verifying epoch order files "
+                                                     "before mapping them", ()),
+    "feeder_cache_damaged_total": ("counter", "Cache entries (order, snapshot, packing) this process found damaged, "
+                                              "removed and rebuilt (none of them served)", ("kind",)),
     "feeder_info": ("gauge", "Constant 1, labelled with the feeder's version and region", ("version", "region")),
 }
 
@@ -161,6 +165,9 @@ class EngineCollector:
             fam["feeder_order_build_ratio"].add_metric([b.name], b.fraction)
         fam["feeder_orders_built_total"].add_metric([], e.orders.built)
         fam["feeder_order_build_seconds_total"].add_metric([], e.orders.build_seconds)
+        fam["feeder_order_verify_seconds_total"].add_metric([], e.orders.verify_seconds)
+        for kind, count in cache.damaged_counts().items():
+            fam["feeder_cache_damaged_total"].add_metric([kind], count)
         yield from fam.values()
 
 

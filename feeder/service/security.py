@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from feeder.core import scope
 from feeder.core.errors import Code, FeederError, InvalidArgument
 
 log = logging.getLogger("feeder.security")
@@ -168,6 +169,10 @@ class Grant:
     def allows_dataset(self, name: str) -> bool:
         return self.datasets is None or name in self.datasets
 
+    def scope(self) -> scope.Scope:
+        """What answers to this token may name (feeder.core.scope)."""
+        return scope.Scope(jobs=None if ALL_JOBS in self.jobs else self.jobs, datasets=self.datasets)
+
 
 class TokenStore:
     """The tokens file (TOML): one `[[token]]` per credential with `sha256` (of the token;
@@ -307,6 +312,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if err:
                     raise err
+                # Every answer from here on names only what this token may see: set for this
+                # call's task, read where messages and replies are made.
+                scope.enter(grant.scope())
                 # A request that did not parse comes as the servicer's InvalidArgument: it names
                 # no job, and the servicer answers it once the token has been checked.
                 if isinstance(request, FeederError):

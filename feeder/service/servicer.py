@@ -12,7 +12,6 @@ import grpc
 from feeder.domain.engine import Engine
 from feeder.sources import preparing
 from feeder.core.errors import COMPLETE, END, FeederError, Unavailable
-from feeder.pipeline.jobs import unknown_job
 from feeder.service import convert
 from feeder.service.convert import SERVICE, spec_from_request
 from feeder.service.convert import STATUS  # noqa: F401  (server.py hands it to the AuthInterceptor from here)
@@ -151,17 +150,10 @@ class FeederServicer(pb_grpc.FeederServicer):
     async def Status(self, request, context):
         e = self.engine
         e.jobs.evict_idle()
-        if e.siblings is None:
-            return status_reply(e, request.job)
-        # One process of several on this port: the others' status too, so any one answers for all.
-        reply = merge(status_reply(e), await asyncio.to_thread(e.siblings.others))
-        if request.job:
-            keep = [j for j in reply.jobs if j.job == request.job]
-            if not keep:
-                raise unknown_job(request.job, (j.job for j in reply.jobs))
-            del reply.jobs[:]
-            reply.jobs.extend(keep)
-        return reply
+        reply = status_reply(e)
+        if e.siblings is not None:   # one process of several on this port: any one answers for all
+            reply = merge(reply, await asyncio.to_thread(e.siblings.others))
+        return convert.scoped_status(reply, request.job)
 
     @unary
     async def Report(self, request, context):

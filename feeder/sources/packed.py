@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.sources import pack_blocks, preparing
+from feeder.sources import cache, pack_blocks, preparing
 from feeder.sources.pack_blocks import PackingConfig
 from feeder.core.errors import FailedPrecondition, Unavailable
 from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing
@@ -139,13 +139,19 @@ def packed(source, seq_len: int) -> PackedTable:
             if got is not None and got.source is source:
                 return got
         where = directory() / identity(source.fingerprint, seq_len)
-        loaded = _load(where, source, seq_len) if (where / "stats.json").is_file() else None
-        if loaded is None:
-            build(source, seq_len, where)
-            loaded = _load(where, source, seq_len)
+        # Processes sharing the cache may find a damaged sidecar together: each removes only the
+        # one it checked (cache.remove_damaged), and one that finds the sidecar gone again (another
+        # removed its copy) builds or reads again, a few times.
+        for _ in range(3):
+            loaded = _load(where, source, seq_len) if (where / "stats.json").is_file() else None
             if loaded is None:
-                raise FailedPrecondition(f"the packing of {getattr(source, 'name', '?')} at seq_len {seq_len} in "
-                                         f"{where} does not read back as it was written (see the feeder's log)")
+                build(source, seq_len, where)
+                loaded = _load(where, source, seq_len)
+            if loaded is not None:
+                break
+        else:
+            raise Unavailable(f"the packing of {getattr(source, 'name', '?')} at seq_len {seq_len} in {where} does "
+                              "not read back as it was written (see the feeder's log)", elsewhere=True)
         if loaded[0]["bins"] == 0:
             raise FailedPrecondition(f"dataset {getattr(source, 'name', '?')} has no tokens to pack")
         table = PackedTable(source, seq_len, Packing(capacity=seq_len + 1, **loaded[1]), loaded[0])
@@ -181,10 +187,18 @@ def _hash_file(h, a: np.memmap) -> None:
             left -= got
 
 
+def _figures_digest(stats: dict) -> str:
+    """The sha256 of a sidecar's figures (all of stats.json but this digest): a flipped byte in
+    the figures status shows is found as one in the arrays is."""
+    return hashlib.sha256(json.dumps({k: v for k, v in stats.items() if k != "figures_sha256"},
+                                     sort_keys=True).encode()).hexdigest()
+
+
 def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
     """The sidecar's figures and arrays, checked against what it must be (its own digest, the
     source, seq_len, the packer, sizes that agree); None, with the sidecar removed, when it is
     not (damaged, truncated, another seq_len's copied in): it is then built again."""
+    seen = cache.identity(where)   # (before it is read: only this one is removed if it fails)
     try:
         stats = json.loads((where / "stats.json").read_text())
         arrays = {k: np.load(where / f"{k}.npy", mmap_mode="r") for k in _ARRAYS}
@@ -195,16 +209,14 @@ def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
             ("source fingerprint", stats.get("fingerprint") != source.fingerprint),
             ("bin pointers", len(arrays["ptr"]) != n_bins + 1 or int(arrays["ptr"][-1]) != n_pieces),
             ("piece lengths", len(arrays["length"]) != n_pieces),
-            ("digest", stats.get("digest") != _digest(arrays))) if bad]
+            ("digest", stats.get("digest") != _digest(arrays)),
+            ("figures", stats.get("figures_sha256") != _figures_digest(stats))) if bad]
         if not wrong:
             return stats, arrays
         why = "its " + ", ".join(wrong) + " do not match"
     except (OSError, ValueError, KeyError, TypeError) as e:
         why = f"{type(e).__name__}: {e}"
-    log.error("packing sidecar %s is not usable (%s): removed, to be built again", where, why)
-    import shutil
-
-    shutil.rmtree(where, ignore_errors=True)
+    cache.remove_damaged(where, seen, "packing", f"sidecar {where}", why)
     return None
 
 
@@ -231,10 +243,9 @@ def _publish(tmp: Path, where: Path, stats: dict) -> None:
     """The joined arrays in `tmp` (fsynced) and their figures become the sidecar `where`: the
     figures written, the directory fsynced, renamed into place, its parent fsynced (a host crash
     leaves it whole or absent)."""
+    stats["figures_sha256"] = _figures_digest(stats)   # (checked at load with the arrays' digest)
     (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
-    _fsync(tmp)
-    os.rename(tmp, where)
-    _fsync(where.parent)
+    cache.publish(tmp, where)   # the files, the rename and the directory, fsynced
 
 
 def _fsync(path: Path) -> None:

@@ -22,7 +22,7 @@ import pyarrow as pa
 from feeder.sources import manifest as mf
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor, Mixture
-from feeder.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, WrongReplica
+from feeder.core.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WrongReplica
 from feeder.core.layout import Bounds, window_bounds
 from feeder.core.planning import StreamPlan
 from feeder.core.rows import Rows
@@ -161,7 +161,7 @@ class PosixSource:
     def read(self, start: int, out: np.ndarray) -> None:
         n = len(out)
         if start < 0 or start + n > self.n_tokens:
-            raise InvalidArgument(f"tokens [{start}, {start + n}) are outside the dataset's {self.n_tokens}")
+            raise outside(start, n, self.n_tokens)
         k = bisect.bisect_right(self._starts, start) - 1
         arr = self._mapped.get(k)
         if arr is not None and start + n <= self._starts[k + 1]:   # the common case: one verified chunk
@@ -357,6 +357,14 @@ def index_parquet(root: str | os.PathLike, *, vocab_size: int, eos_id: int,
     return m.with_fingerprint()
 
 
+def outside(start: int, n: int, n_tokens: int) -> Unavailable:
+    """Rows past the data are never the caller's mistake (its ids come from this feeder's plan):
+    an order, index or packing here is wrong (issue 34: a damaged order's id ≥ n was
+    INVALID_ARGUMENT, and the rank gave up). Failover-class: another feeder may serve it."""
+    return Unavailable(f"tokens [{start}, {start + n}) are outside the dataset's {n_tokens}: this feeder's "
+                       "sample table is wrong; resume on another feeder", elsewhere=True)
+
+
 def locate_rows(table, starts: np.ndarray, n: int) -> Rows:
     """Where rows [starts[i], starts[i] + n) of a chunk table lie, without copying them: row i
     is bufs[which[i]][offs[i]:offs[i] + n]. The buffers are the table's verified chunks (views
@@ -367,7 +375,7 @@ def locate_rows(table, starts: np.ndarray, n: int) -> Rows:
     starts = np.asarray(starts, dtype=np.int64)
     if len(starts) and (starts.min() < 0 or starts.max() + n > table.n_tokens):
         bad = int(starts[(starts < 0) | (starts + n > table.n_tokens)][0])
-        raise InvalidArgument(f"tokens [{bad}, {bad + n}) are outside the dataset's {table.n_tokens}")
+        raise outside(bad, n, table.n_tokens)
     bounds = table.chunk_starts
     ks = np.searchsorted(bounds, starts, side="right") - 1
     chunks, which = np.unique(ks, return_inverse=True)   # a run touches few chunks; each loaded once

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from feeder.core import scope
+
 _lock = threading.Lock()
 _notes: dict[str, dict] = {}
 
@@ -27,8 +29,9 @@ def current() -> dict[str, dict]:
 
 
 def summary() -> str:
-    """One line for a waiting rank."""
+    """One line for a waiting rank (what is prepared is not said to a token scoped to some jobs
+    or datasets: a note names a topic and its offsets, perhaps another team's)."""
     notes = current()
-    if not notes:
+    if not notes or not scope.current().everything:
         return "the feeder is preparing the stream"
     return "; ".join(v["what"] for v in notes.values())

@@ -113,6 +113,38 @@ def kafka_corpus(root: Path, n_docs: int) -> Corpus:
     return _TOPICS[key]
 
 
+def damage_cache(cache: Path, rng: random.Random) -> int:
+    """One byte flipped in one file of every entry of a cache directory (packings, Kafka
+    snapshots, orders), as a process that opens them next reads them: each damaged file is a copy
+    renamed over the original, so processes that already map it keep what they verified (a
+    change under a live mapping is what the scrub is for, not this fault). How many entries."""
+    entries = [p for kind in ("packing", "kafka") if (cache / kind).is_dir()
+               for p in (cache / kind).iterdir() if p.is_dir() and not p.name.startswith(".")]
+    orders = [p for p in (cache / "orders").glob("randperm-*") if not p.name.endswith((".lock", ".progress"))] \
+        if (cache / "orders").is_dir() else []
+    done = 0
+    for entry in [*entries, *orders]:
+        files = [entry] if entry.is_file() else sorted(p for p in entry.iterdir() if p.is_file())
+        if not files:
+            continue
+        victim = rng.choice(files)
+        try:
+            data = bytearray(victim.read_bytes())
+        except OSError:   # (removed meanwhile: a feeder rebuilding it)
+            continue
+        if not data:
+            continue
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        tmp = victim.with_name(f".{victim.name}.damaging")
+        tmp.write_bytes(data)
+        try:
+            os.replace(tmp, victim)
+            done += 1
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return done
+
+
 def corrupt_copy(dataset: Path, out: Path, rng: random.Random) -> str:
     """A replica with one token byte flipped in one chunk (same manifest, same fingerprint):
     the feeder finds it by the chunk's sha256 and answers DATA_LOSS for it."""
@@ -510,6 +542,14 @@ class ScenarioRun:
             link = self.links[t]
             self.toxic(link.reset if f.kind == "reset" else link.blackhole)
             self.after(f.heal_ms / 1000, self.unclog, link)
+        elif f.kind == "cache-damage":
+            # What a host crash leaves a region: its shared cache damaged, and every feeder on it
+            # started again, so that each entry is met by a process that has not verified it yet.
+            self.injected["cache_entries_damaged"] += damage_cache(self.dir / "cache", self.rng)
+            for i, other in enumerate(self.feeders):
+                if other.proc.poll() is None and i not in self.stopped:
+                    _signal(other.proc.pid, signal.SIGKILL)
+                    self.after(f.heal_ms / 1000, self.restart_feeder, i)
         self.injected[f.kind] += 1
 
     def unclog(self, link, tries: int = 3) -> None:
@@ -700,7 +740,9 @@ class ScenarioRun:
                 corrupt_t = 0   # the replica every rank tries first
         args = ["--message-bytes", str(sc.message_bytes), "--prefetch-messages", str(sc.prefetch_messages),
                 "--threads", "2"]
-        if sc.kafka:   # the feeders of the scenario are one region: a Kafka epoch's snapshot is built once
+        if sc.kafka or any(f.kind == "cache-damage" for f in sc.faults):
+            # the feeders of the scenario are one region: a Kafka epoch's snapshot is built once;
+            # and the cache a cache-damage fault damages is the scenario's own
             args += ["--cache-dir", str(self.dir / "cache")]
         for t in range(sc.targets):
             src = self.corpus.dataset if not sc.mixture else self.sources[0].dataset

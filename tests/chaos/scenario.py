@@ -7,12 +7,19 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-# Every kind the generator can draw; the summary counts injected faults by these names.
-FAULT_KINDS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "corrupt", "supersede", "restart",
+# The kinds drawn among a scenario's first faults (their order fixes every seed's scenario: a kind
+# added later is drawn after all of them, as cache-damage is).
+DRAWN_FIRST = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "corrupt", "supersede", "restart",
                "reshard", "repass", "disagree")
+# Every kind the generator can draw; the summary counts injected faults by these names.
+FAULT_KINDS = (*DRAWN_FIRST, "cache-damage")
 # Faults that act on a feeder (or on the link to it) and are healed again: a killed feeder is
-# restarted on its port, a stopped one continued, a proxy's toxic cleared.
-FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole")
+# restarted on its port, a stopped one continued, a proxy's toxic cleared. cache-damage (issue 34)
+# damages every entry of the scenario's cache directory (packings, Kafka snapshots, orders) as a
+# new process would read them, and kills every feeder of the scenario: they come back on them.
+FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "cache-damage")
+# The share of scenarios with cache entries (packed, or on Kafka topics) that damage them.
+CACHE_DAMAGE_SHARE = 0.25
 # The share of scenarios that stream a mixture of several sources (issue 18) instead of one.
 MIXTURE_SHARE = 0.3
 # The share that ask for the stateless order (issue 25) instead of torch's.
@@ -169,7 +176,7 @@ class Scenario:
         horizon = max(2, per_epoch * s["num_epochs"] if s["num_epochs"] else s["take"])
         if large:
             horizon = max(2, horizon // 4)   # early, while most of the stream is still ahead
-        pool = list(kinds if kinds is not None else FAULT_KINDS)
+        pool = [k for k in (kinds if kinds is not None else DRAWN_FIRST) if k != "cache-damage"]   # (drawn last)
         faults: list[Fault] = []
         n_faults = rng.choice((1, 1, 2, 2, 3))
         for _ in range(n_faults):
@@ -231,6 +238,15 @@ class Scenario:
             members = rng.choice((2, 2, 3))
             if rng.random() < CP_SHARE:
                 cp_size, cp_layout = rng.choice((2, 4)), rng.choice(("zigzag", "contiguous"))
+        # The cache's entries damaged (issue 34), where the scenario has any (drawn after all else,
+        # so every scenario drawn before it stays as it was).
+        if kinds is not None and "cache-damage" in kinds and not kafka:
+            packing = "best_fit"   # (asked for by name: something in the cache to damage)
+        if (kinds is None or "cache-damage" in kinds) and (packing == "best_fit" or kafka) \
+                and (kinds is not None or rng.random() < CACHE_DAMAGE_SHARE):
+            faults.append(Fault(kind="cache-damage", at_batch=rng.randint(1, max(1, horizon - 1)),
+                                rank=rng.randrange(s["world"]), target=rng.randrange(targets),
+                                heal_ms=rng.choice((0, 300, 1500))))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
                         mixture=mixture, permutation=permutation, packing=packing, kafka=kafka,

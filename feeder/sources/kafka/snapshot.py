@@ -1,6 +1,13 @@
 """Bounded mode's snapshot: a frozen epoch's offset ranges read once into Arrow shards in a
 spool directory, ordered by (partition, offset), then served exactly as a file dataset
-(same packing, same DistributedSampler, same cursors)."""
+(same packing, same DistributedSampler, same cursors).
+
+A snapshot is a cache entry, not the data: the topic still holds its records. It is written
+aside, fsynced and renamed into place (feeder.sources.cache.publish); its manifest is checked
+when it is opened and each chunk against the manifest's sha256 on first read (as any dataset's).
+A damaged one (issue 34: one flipped byte was DATA_LOSS for every job of that epoch, forever) is
+said once, counted, removed, and read again from the topic: the rank that met it is told
+UNAVAILABLE, resumes from its cursor and waits for the rebuild as for any build."""
 from __future__ import annotations
 
 import hashlib
@@ -15,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from feeder.sources import cache, preparing
 from feeder.sources import manifest as mf
-from feeder.sources import preparing
-from feeder.core.errors import FailedPrecondition, WrongReplica
+from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, Unavailable, WrongReplica
+from feeder.sources.posix import PosixSource
 from feeder.sources.shards import ShardWriter
 from feeder.sources.kafka.consumer import close_soon, consumer_config, partitions, unavailable
 from feeder.sources.kafka.once import Beat, build_once, lock_path
@@ -48,8 +56,6 @@ class Snapshots:
     def get(self, ranges: str, policy: str, topic_id: str = ""):
         """The epoch `ranges` as a PosixSource (with `bad_records`: how many were skipped), of
         the topic whose Kafka id is `topic_id` (a recreated topic's same ranges are not its)."""
-        from feeder.sources.posix import PosixSource
-
         out = self.dir_for(ranges, policy, topic_id)
         key = out.name
         with self._lock:
@@ -61,16 +67,35 @@ class Snapshots:
             snap = self._snapshots.get(key)
             if snap is not None:
                 return snap
-            try:
-                self._build_or_wait(out, ranges, policy)
-            finally:
-                self.progress.pop(ranges, None)
-                preparing.finished(ranges)
-            snap = PosixSource(out, name=self.url.topic)
-            snap.bad_records = json.loads((out / "kafka.json").read_text())["bad_records"]
-            self._snapshots[key] = snap
+            for last in (False, True):   # (one found damaged at open is read again, once)
+                try:
+                    self._build_or_wait(out, ranges, policy)
+                finally:
+                    self.progress.pop(ranges, None)
+                    preparing.finished(ranges)
+                seen = cache.identity(out)   # (before it is read: only this one is removed if it fails)
+                try:
+                    snap = SnapshotSource(out, name=self.url.topic, ranges=ranges, on_damage=self._damaged)
+                    snap.bad_records = _bad_records(out, ranges, policy)
+                    break
+                except (DataLoss, NotFound, OSError, ValueError, KeyError, TypeError) as e:
+                    # (NotFound: another process removed a damaged copy between its build and here)
+                    if last:
+                        raise Unavailable(f"the snapshot of Kafka epoch {ranges} could not be opened after it was "
+                                          f"built again ({type(e).__name__}: {e}); resume from the cursor") from None
+                    cache.remove_damaged(out, seen, "snapshot", f"of Kafka epoch {ranges} ({out})",
+                                         f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._snapshots[key] = snap
             return snap
 
+    def _damaged(self, snap: "SnapshotSource", why: str) -> None:
+        """A chunk of a snapshot served here failed its check: forget it here and remove it (unless
+        another process already replaced it), so the next stream of the epoch builds it again."""
+        with self._lock:
+            if self._snapshots.get(snap.root.name) is snap:
+                del self._snapshots[snap.root.name]
+        cache.remove_damaged(snap.root, snap.identity, "snapshot", f"of Kafka epoch {snap.ranges} ({snap.root})", why)
 
     def dir_for(self, ranges: str, policy: str, topic_id: str = "") -> Path:
         """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
@@ -208,8 +233,51 @@ class SnapshotBuild:
         (tmp / "kafka.json").write_text(json.dumps({"ranges": ranges, "policy": self.policy,
                                                     "bad_records": len(bad), "bad": bad[:1000]}))
         shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        cache.publish(tmp, out)
         took = time.monotonic() - t0
         log.info("kafka epoch %s: %d documents, %d tokens, %d bad records skipped, read in %.1fs (%.0f MB/s of "
                  "tokens, %d partitions at once) into %s", ranges, self.docs, self.tokens, len(bad), took,
                  self.tokens * self.dtype.itemsize / max(took, 1e-9) / 1e6, min(READERS, len(self.parts)), out)
+
+
+def _bad_records(out: Path, ranges: str, policy: str) -> int:
+    """How many bad records the snapshot's build skipped, from its kafka.json, which must say the
+    epoch, the policy and a count that agrees with the records it lists (ValueError otherwise:
+    kafka.json is not under the manifest's fingerprint, so it is checked here)."""
+    meta = json.loads((out / "kafka.json").read_text())
+    n, bad = meta["bad_records"], meta["bad"]
+    if meta["ranges"] != ranges or meta["policy"] != policy or not isinstance(n, int) \
+            or len(bad) != min(n, 1000):
+        raise ValueError(f"{out / 'kafka.json'} does not describe this epoch's build")
+    return n
+
+
+class SnapshotSource(PosixSource):
+    """A snapshot served as a file dataset, whose damage is not the end of it: a chunk that
+    fails its check has the snapshot removed (`on_damage`) and is UNAVAILABLE to the rank, which
+    resumes from its cursor while the epoch is read again from the topic."""
+
+    def __init__(self, root: Path, *, name: str, ranges: str, on_damage):
+        self.identity = cache.identity(root)   # (before the manifest is read: the directory checked is this one)
+        super().__init__(root, name=name)
+        self.ranges, self._on_damage, self._told = ranges, on_damage, False
+
+    def chunk(self, k: int) -> np.ndarray:
+        try:
+            return super().chunk(k)
+        except DataLoss as e:
+            raise self._rebuilding(str(e)) from None
+
+    def doc_starts(self, k: int) -> np.ndarray:
+        try:
+            return super().doc_starts(k)
+        except DataLoss as e:
+            raise self._rebuilding(str(e)) from None
+
+    def _rebuilding(self, why: str) -> Unavailable:
+        with self._lock:
+            first, self._told = not self._told, True
+        if first:
+            self._on_damage(self, why)
+        return Unavailable(f"the snapshot of Kafka epoch {self.ranges} in the cache was damaged ({why}): it is "
+                           "being read again from the topic; resume from the cursor")

@@ -1,0 +1,93 @@
+"""What every entry of the cache directory (an epoch order, a Kafka epoch's snapshot, a packing)
+shares: how it is put in place so that a crash never leaves half of one under its name, and the
+tally of entries found damaged (removed and rebuilt; `feeder status`, the metrics).
+
+An entry is written under a temporary name, its files and directory fsynced, renamed into
+place, and the directory that holds it fsynced: without the fsyncs a host crash can leave the
+new name pointing at blocks never written (a file of zeros; issue 34). What each entry verifies
+before it is served is its own module's (docs/guarantees.md has the table).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+log = logging.getLogger("feeder.cache")
+
+KINDS = ("order", "snapshot", "packing")
+
+_lock = threading.Lock()
+_damaged: dict[str, int] = {k: 0 for k in KINDS}
+
+
+def fsync(path: str | os.PathLike) -> None:
+    """Flush a file, or a directory's entries, to stable storage."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move a complete entry (a file, or a directory of files) from `tmp` to `final` durably:
+    its content, then the rename, are on disk before this returns. Raises OSError as
+    os.replace does (a directory `final` that exists: another process published it first)."""
+    tmp = Path(tmp)
+    if tmp.is_dir():
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                fsync(p)
+    fsync(tmp)
+    os.replace(tmp, final)
+    fsync(Path(final).parent)
+
+
+def identity(path: str | os.PathLike) -> tuple | None:
+    """Which file or directory is at `path` now (device, inode), or None: taken before an entry is
+    checked, so that only that one is removed if it fails."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def remove_damaged(path: str | os.PathLike, seen: tuple | None, kind: str, what: str, why: str) -> bool:
+    """Remove the damaged entry at `path` if it is still the one checked (`seen`, its identity
+    then): another process may have removed it and published its rebuild meanwhile, which must
+    not go. Moved aside first (one rename: a reader sees the entry whole or not at all), counted
+    and said (`damaged`) by the process whose rename took it, then deleted. True if this call
+    removed it."""
+    path = Path(path)
+    if seen is None or identity(path) != seen:
+        return False
+    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.replace(path, aside)
+    except OSError:
+        return False
+    damaged(kind, what, why)
+    if aside.is_dir():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
+    return True
+
+
+def damaged(kind: str, what: str, why: str) -> None:
+    """An entry of `kind` was found damaged (and is being removed, to be rebuilt): said once, in
+    the log, and counted. Callers call this once per entry they remove, so a damage is logged
+    once however many ranks meet it."""
+    with _lock:
+        _damaged[kind] = _damaged.get(kind, 0) + 1
+    log.error("cache: %s %s is damaged (%s): removed, to be built again; nothing of it was served", kind, what, why)
+
+
+def damaged_counts() -> dict[str, int]:
+    """{kind: entries this process found damaged}, every kind named (metrics, status)."""
+    with _lock:
+        return dict(_damaged)

@@ -1,0 +1,367 @@
+"""Issue 34: nothing the cache directory holds is trusted. An entry (an epoch order, a Kafka
+epoch's snapshot, a packing) that is damaged is found before any of it is served, said once,
+counted, removed and built again; the ranks get exactly torch's DistributedSampler's ids."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from feeder.core import order, sampler
+from feeder.domain import order_store as store
+from feeder.sources import cache
+from feeder_client import FeederDataset
+from tests.helpers import FeederProc
+from tests.test_order import VOCAB, flat_corpus, torch_rank_ids
+
+
+def built_order(cache_dir, n: int, seed: int) -> tuple[store.OrderStore, str]:
+    """An order built by the store into cache_dir (as a feeder would), and its file's path."""
+    st = store.OrderStore(str(cache_dir))
+    wait_for(st, n, seed)
+    return st, os.path.join(st.dir, st.name(n, seed, "torch"))
+
+
+def wait_for(st: store.OrderStore, n: int, seed: int, limit_s: float = 60) -> np.ndarray:
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            return np.asarray(st.get(n, seed, "torch"))
+        except sampler.OrderPending:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def damage(path: str, how: str, n: int) -> None:
+    """Damage an order file as disks, hosts and hands do (the file keeps its size but where said)."""
+    ids = np.memmap(path, dtype=np.uint32, mode="r+", shape=(n,))
+    if how == "swapped":          # two entries exchanged: every sum of the ids is kept
+        ids[[10, n - 7]] = ids[[n - 7, 10]]
+    elif how == "overwritten":    # 32 entries overwritten with ids found elsewhere (the review's)
+        ids[100:132] = ids[5000:5032]
+    elif how == "out-of-range":   # an id past n (served as INVALID_ARGUMENT, no failover, before)
+        ids[3] = 2**32 - 16
+    ids.flush()
+    del ids
+    if how == "zeroed":           # what a host crash leaves of a file renamed before it was on disk
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.write(b"\0" * size)
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "no-trailer":     # the ids only: written without its checks (a crash, an older build)
+        os.truncate(path, 4 * n)
+
+
+HOW = ("swapped", "overwritten", "zeroed", "truncated", "out-of-range", "no-trailer")
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_damaged_order_file_is_found_counted_rebuilt_and_never_served(tmp_path, caplog, how):
+    """A new process (a fresh store) on a cache whose order file is damaged: the check finds it
+    before any id is handed out, says so once, counts it, and the order is built again: the ids
+    are torch's."""
+    n, seed = 200_003, 7
+    _, path = built_order(tmp_path, n, seed)
+    damage(path, how, n)
+    before = cache.damaged_counts()["order"]
+    st = store.OrderStore(str(tmp_path))
+    with caplog.at_level(logging.ERROR, logger="feeder.cache"):
+        with pytest.raises(sampler.OrderPending):   # (removed: being built again, the ranks wait)
+            st.get(n, seed, "torch")
+        got = wait_for(st, n, seed)
+    want = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    assert np.array_equal(got, want)
+    assert cache.damaged_counts()["order"] == before + 1
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and os.path.basename(path) in said[0], said
+    assert os.path.getsize(path) == 4 * n + store.TRAILER.size
+    assert st.build_seconds > 0 and st.built == 1
+
+
+def test_order_checks_catch_what_each_is_for():
+    """What each check catches (docs/guarantees.md): the sums a permutation must have catch any
+    change of which ids the order holds, not a swap; the position digests catch a swap."""
+    n = 100_000
+    ids = np.random.default_rng(3).permutation(n).astype(np.uint32)
+    built = order.order_checks(ids)
+    assert order.not_a_permutation(n, built) == ""
+    swapped = ids.copy()
+    swapped[[1, 99_000]] = swapped[[99_000, 1]]
+    got = order.order_checks(swapped)
+    assert order.not_a_permutation(n, got) == "" and got[4] != built[4] and got[5] != built[5]
+    for i, j in ((0, 1), (5, n - 1), (40_000, 40_002)):   # Σ (i+1)·x_i moves by (i - j)(x_j - x_i) ≠ 0
+        s = ids.copy()
+        s[[i, j]] = s[[j, i]]
+        assert order.order_checks(s)[4] != built[4]
+    for bad in (np.zeros(n, np.uint32), np.where(np.arange(n) == 7, ids[8], ids).astype(np.uint32),
+                np.where(np.arange(n) == 7, n, ids).astype(np.uint32)):
+        assert order.not_a_permutation(n, order.order_checks(bad))
+    wide = ids.astype(np.uint64)   # orders past 2^32 ids are uint64: the same sums
+    assert order.order_checks(wide)[:5] == built[:5]
+
+
+def metric(feeder, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{feeder.metrics}/metrics", timeout=10).read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("how", ["swapped", "zeroed"])
+def test_failover_mid_epoch_from_a_feeder_whose_order_was_damaged_is_exact(tmp_path, how):
+    """Feeder A's cache holds a damaged order (the review: 1,984 of 6,400 ids of a rank's epoch
+    wrong or repeated after failing over from such a cache); B's is sound. The rank starts on A
+    (which finds the damage, counts it, builds the order again and serves torch's ids), A is
+    killed mid-epoch, the rank resumes on B: every id is DistributedSampler's."""
+    n = sampler.SMALL_ORDER + 12_345          # past what is drawn in memory: a stored order
+    data = flat_corpus(tmp_path, n)
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    _, path = built_order(cache_a, n, 5)
+    damage(path, how, n)
+    a = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_a), "--metrics-port", "0"])
+    b = None
+    try:
+        b = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_b)])
+        want = torch_rank_ids(n, 2, 1, 5)
+        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=1, micro_batch=16,
+                           seed=5, idle_timeout_s=10, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
+        got = []
+        for batch in ds:
+            got += batch.sample_ids.tolist()
+            if len(got) == 64:
+                assert metric(a, "feeder_cache_damaged_total{kind=\"order\"}") == 1.0
+                assert metric(a, "feeder_orders_built_total") == 1.0
+                a.signal(signal.SIGKILL)
+            if len(got) >= 16 * 400:   # (~120 KB: more than A could have sent ahead into the client's window)
+                break
+        failovers = ds.client.failovers
+        ds.client.close()
+        assert got == want[:len(got)] and failovers >= 1
+        assert os.path.getsize(path) == 4 * n + store.TRAILER.size   # A's rebuilt order, sound
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.stop()
+
+
+def test_a_sample_outside_the_data_is_a_failover_not_the_callers_mistake():
+    """An id ≥ n (a damaged order, index or packing) named rows past the data: INVALID_ARGUMENT,
+    and the rank gave up. It is UNAVAILABLE marked for elsewhere: the rank resumes elsewhere."""
+    from types import SimpleNamespace
+
+    from feeder.core.errors import Code, FeederError
+    from feeder.sources.posix import locate_rows
+
+    with pytest.raises(FeederError) as e:
+        locate_rows(SimpleNamespace(n_tokens=100), np.array([4, 2**32 - 16]), 2)
+    assert e.value.code is Code.UNAVAILABLE and e.value.elsewhere
+    assert "outside the dataset" in str(e.value)
+
+
+# -- Kafka snapshots -----------------------------------------------------------------------------
+
+def flip_a_byte(path, at: float = 0.5) -> None:
+    """One byte of `path` inverted, `at` of the way in."""
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * at))
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("where", ["shard", "manifest"])
+def test_a_kafka_snapshot_with_a_flipped_byte_is_read_again_from_the_topic(kafka_broker, tmp_path, caplog, where):
+    """A byte flipped in a snapshot shard (or its manifest) in the shared cache was DATA_LOSS for
+    every job of that epoch, forever, though the topic still holds the records. Now a new feeder
+    on that cache finds it (the chunk's sha256, or the manifest's fingerprint), says it once,
+    counts it, removes it and reads the epoch again: both ranks get exactly the epoch's ids and
+    tokens, and the cache holds one sound snapshot."""
+    from feeder.core.config import ServeConfig
+    from feeder.core.sampler import n_samples
+    from feeder.service.server import ServerThread
+    from tests.helpers import check_batches, reference_ids
+    from tests.test_kafka_regressions import EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+    from tests.test_kafka_snapshots import builds, rank_batches
+
+    caplog.set_level(logging.INFO)
+    topic = f"snap-damage-{os.getpid()}-{time.time_ns() % 10**6}"
+    Trickle(kafka_broker, topic, partitions=3, n0=600, trickle=False).stop()
+    region = tmp_path / "region-cache"
+    cfg = dict(source=f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256", listen="127.0.0.1:0",
+               cache_dir=str(region))
+    with ServerThread(ServeConfig(**cfg)) as a:
+        first = rank_batches(a.address, "first", 0)
+    ranges = epoch_of(first[0])
+    (snap,) = [p for p in (region / "kafka").iterdir() if p.is_dir()]
+    if where == "shard":
+        target = max((p for p in snap.iterdir() if p.name not in ("manifest.json", "kafka.json")),
+                     key=lambda p: p.stat().st_size)
+    else:
+        target = snap / "manifest.json"
+    flip_a_byte(target)
+    before = cache.damaged_counts()["snapshot"]
+    with ServerThread(ServeConfig(**cfg)) as b:   # a new process on the region's cache
+        got = {r: rank_batches(b.address, "again", r, ranges) for r in (0, 1)}
+        from feeder.ops.status import fetch, render
+
+        status = fetch(b.address)   # (the status field counts what this process found: in-process, all so far)
+        assert status.cache_damaged >= 1
+        from io import StringIO
+
+        from rich.console import Console
+
+        out = StringIO()
+        Console(file=out, width=300).print(render(status, b.address))
+        assert "cache damaged=" in out.getvalue()
+    assert cache.damaged_counts()["snapshot"] == before + 1
+    assert len(builds(caplog)) == 2, builds(caplog)
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and ranges in said[0], said
+    stream = epoch_stream(kafka_broker, ranges)
+    n = n_samples(len(stream), EPOCH_SEQ)
+    for r in (0, 1):
+        check_batches(got[r], stream, EPOCH_SEQ,
+                      reference_ids(n, 2, r, shuffle=True, seed=EPOCH_SEED, drop_last=False, epoch=0))
+        assert {epoch_of(x) for x in got[r]} == {ranges}
+    assert [p.name for p in (region / "kafka").iterdir() if p.is_dir()] == [snap.name]
+
+
+def test_a_builder_sigkilled_mid_build_leaves_no_part_and_no_stale_lock_after_a_restart(tmp_path):
+    """A feeder SIGKILLed while it draws an order left its `.part` (0.86 GB in the review) until a
+    feeder next started on that host, and its lock and progress files for good. The next store
+    on that cache removes all three, and counts none of them as an order."""
+    import subprocess
+    import sys
+
+    n = 60_000_000
+    script = ("import sys, time\n"
+              "import feeder.domain.order_store as store\n"
+              "store._huge_pages_for = lambda size: False\n"   # drawn straight into the cache directory
+              "store._shm_dir = lambda size: None\n"
+              "st = store.OrderStore(sys.argv[1])\n"
+              f"st.prepare({n}, 1, 'torch')\n"
+              "time.sleep(60)\n")
+    builder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+    orders = tmp_path / "orders"
+    deadline = time.monotonic() + 30
+    while not list(orders.glob(".randperm-*.part")) or not list(orders.glob("*.lock")):
+        assert time.monotonic() < deadline and builder.poll() is None
+        time.sleep(0.01)
+    builder.kill()
+    builder.wait(10)
+    left = sorted(p.name for p in orders.iterdir())
+    assert any(p.endswith(".part") for p in left) and any(p.endswith(".lock") for p in left), left
+    name = store.OrderStore.name(n, 1, "torch")
+    assert name not in left   # (killed mid-draw: never renamed into place)
+    store.OrderStore(str(tmp_path))   # a feeder starting on the cache
+    assert sorted(p.name for p in orders.iterdir()) == []
+
+
+def test_a_build_under_way_counts_against_the_cache_budget(tmp_path):
+    """--cache-max-gb did not count the part files of builds under way (here a live one of 40 MiB,
+    this process's): an older order is now removed to make room for the new one beside it. The
+    budget, read as GiB, is said in GiB (it said GB)."""
+    st = store.OrderStore(str(tmp_path), max_bytes=64 << 20)
+    old = tmp_path / "orders" / "randperm-fwd-n5000000-s1.u32"
+    old.write_bytes(b"\0" * (20 << 20))
+    part = tmp_path / "orders" / f".randperm-fwd-n9-s9.u32.{store._HOST}.{os.getpid()}.part"
+    with open(part, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 40 << 20)
+    st._make_room(8 << 20)
+    assert not old.exists() and part.exists()
+    from feeder.core.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match=r"0\.1 GiB.*--cache-max-gb 0\.0625 GiB"):
+        st.get(30_000_000, 1, "torch")
+
+
+@pytest.mark.kafka
+def test_failover_mid_epoch_to_a_feeder_whose_snapshot_is_damaged_is_exact(kafka_broker, tmp_path):
+    """Feeder A (a sound snapshot) goes away mid-epoch; the rank resumes on feeder B, whose cache
+    holds the epoch's snapshot with a flipped byte (copied from another region's cache). B finds
+    it, counts it, reads the epoch again from the topic, and the rank's epoch is exact."""
+    import shutil
+
+    from feeder.core.config import ServeConfig
+    from feeder.core.sampler import n_samples
+    from feeder.service.server import ServerThread
+    from tests.helpers import check_batches, reference_ids
+    from tests.test_kafka_regressions import EPOCH_MB, EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+    from tests.test_kafka_snapshots import rank_batches
+
+    topic = f"snap-fo-{os.getpid()}-{time.time_ns() % 10**6}"
+    # (rank 1's half of the epoch, ~300 KB, is more than the client's 64 KiB HTTP/2 window: A cannot
+    # have sent all of it before it stops)
+    Trickle(kafka_broker, topic, partitions=3, n0=12000, trickle=False).stop()
+    url = f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256"
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    a = ServerThread(ServeConfig(source=url, listen="127.0.0.1:0", cache_dir=str(cache_a)))
+    b = ServerThread(ServeConfig(source=url, listen="127.0.0.1:0", cache_dir=str(cache_b)))
+    try:
+        ranges = epoch_of(rank_batches(a.address, "warm", 0)[0])   # A builds the epoch's snapshot
+        (snap,) = [p for p in (cache_a / "kafka").iterdir() if p.is_dir()]
+        shutil.copytree(snap, cache_b / "kafka" / snap.name)
+        shard = max((p for p in (cache_b / "kafka" / snap.name).glob("*.arrow")), key=lambda p: p.stat().st_size)
+        flip_a_byte(shard, 0.6)
+        before = cache.damaged_counts()["snapshot"]
+        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=EPOCH_SEQ,
+                           micro_batch=EPOCH_MB, seed=EPOCH_SEED, read_ahead=1, max_read_ahead=1, retry_for_s=60,
+                           prefer="order", expected_fingerprint=ranges)
+        got = []
+        for batch in ds:
+            got.append(batch)
+            if len(got) == 3:
+                a.stop()   # mid-epoch: the rank resumes on B from its cursor
+        stream = epoch_stream(kafka_broker, ranges)
+        want = reference_ids(n_samples(len(stream), EPOCH_SEQ), 2, 1, shuffle=True, seed=EPOCH_SEED,
+                             drop_last=False, epoch=0)
+        check_batches(got, stream, EPOCH_SEQ, want)
+        assert len(got) > 3 and cache.damaged_counts()["snapshot"] == before + 1 and ds.client.failovers >= 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_failover_mid_epoch_to_a_feeder_whose_packing_is_damaged_is_exact(tmp_path):
+    """Feeder A is killed mid-epoch of a packed stream; feeder B's cache holds the packing with a
+    flipped byte (copied from A's, as a shared cache would hold it). B finds it, counts it, packs
+    again, and the rank's bins are DistributedSampler's ids over the bins the rule makes."""
+    import shutil
+
+    from tests.helpers import make_docs, packed_bins, prep_docs, reference_ids
+
+    seq = 16
+    docs = make_docs(600, seed=34)   # (~6,000 bins: rank 1's half, ~100 KB, is more than the client's 64 KiB window)
+    (tmp_path / "data").mkdir()
+    data = prep_docs(tmp_path / "data", docs, shard_tokens=3000, chunk_tokens=700)
+    bins = packed_bins(docs, seq)
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    a = FeederProc(data, extra=["--cache-dir", str(cache_a)])
+    b = None
+    try:
+        b = FeederProc(data, extra=["--cache-dir", str(cache_b), "--metrics-port", "0"])
+        ds = FeederDataset([a.address, b.address], job="pk", rank=1, world_size=2, seq_len=seq, micro_batch=4,
+                           seed=5, packing="best_fit", prefer="order", read_ahead=1, max_read_ahead=1,
+                           idle_timeout_s=10, retry_for_s=60, num_epochs=1)
+        got = []
+        for batch in ds:
+            for row, i in zip(batch.tokens.numpy().tolist(), batch.sample_ids.tolist()):
+                assert row == bins[i].tolist(), i
+                got.append(i)
+            if len(got) == 8:
+                shutil.copytree(cache_a / "packing", cache_b / "packing", dirs_exist_ok=True)
+                flip_a_byte(next((cache_b / "packing").glob("*/start.npy")), 0.7)
+                a.signal(signal.SIGKILL)
+        assert got == reference_ids(len(bins), 2, 1, shuffle=True, seed=5, drop_last=False, epoch=0)
+        assert metric(b, 'feeder_cache_damaged_total{kind="packing"}') == 1.0 and ds.client.failovers >= 1
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.stop()

@@ -2,6 +2,8 @@
 registration, served end to end; the cursor bytes of the kinds released so far never change."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,36 @@ def test_cursor_position_kinds_are_registered_by_their_owners_with_their_release
     assert not {m for m in imported if m and m.startswith("feeder.sources")}, imported
     with pytest.raises(ValueError, match="registered already"):
         cursor.register_position(cursor.PositionKind(4, dict, repr, eval))
+
+
+def test_two_servers_in_one_process_keep_their_own_cache_directories(dataset, stream, tmp_path, monkeypatch):
+    """No process-wide state: each server's plans build into and read from its own cache
+    directory (best-fit sidecars and torch's large orders), whichever server started last."""
+    from feeder.core import sampler
+    from feeder.domain.order_store import orders_directory
+
+    monkeypatch.setattr(sampler, "SMALL_ORDER", 16)   # every order here is "large": the order store's
+    seq = 16
+    caches = [tmp_path / "a", tmp_path / "b"]
+    servers = [ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=2048,
+                                        cache_dir=str(c))) for c in caches]
+    try:
+        got = {}
+        for i, srv in enumerate(servers):   # (both started before either streams)
+            for packing in ("concat", "best_fit"):
+                spec = StreamSpec(job=f"two-{i}-{packing}", rank=0, world_size=2, seq_len=seq, micro_batch=4,
+                                  packing=packing, permutation="torch")
+                c = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, retry_for_s=30))
+                got[i, packing] = [b.sample_ids.tolist() for b in c]
+                c.close()
+        assert got[0, "concat"] == got[1, "concat"] and got[0, "best_fit"] == got[1, "best_fit"]
+        n = n_samples(len(stream), seq)
+        from tests.helpers import reference_ids
+        assert [i for b in got[0, "concat"] for i in b] == reference_ids(n, 2, 0, shuffle=True, seed=0,
+                                                                          drop_last=False, epoch=0)
+        for c in caches:
+            assert any((c / "packing").iterdir()), f"no packing in {c}"
+            assert any(Path(orders_directory(str(c))).iterdir()), f"no order in {c}"
+    finally:
+        for srv in servers:
+            srv.stop()

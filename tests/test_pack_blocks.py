@@ -31,10 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def cache(tmp_path):
     """A cache directory of its own, and the packing settings put back afterwards."""
     before = packed._config
-    packed.use_directory(str(tmp_path / "cache"))
     yield tmp_path / "cache"
     packed.configure(before)
-    packed.use_directory("")
     packed._tables.clear()
 
 
@@ -104,12 +102,12 @@ def test_bins_follow_the_block_rule_and_one_block_is_the_whole_corpus_pass(corpu
     starts, end = src.doc_spans(0, src.n_tokens)
     whole = layout.best_fit(starts, end, SEQ + 1)
     packed.configure(PackingConfig(block_tokens=src.n_tokens))
-    one = packed.packed(src, SEQ).packing
+    one = packed.packed(src, SEQ, str(cache)).packing
     assert [(one.ptr == whole.ptr).all(), (one.start == whole.start).all(), (one.length == whole.length).all()] \
         == [True] * 3 and one.n_bins == whole.n_bins
     B = 997
     packed.configure(PackingConfig(block_tokens=B, workers=3))
-    got = packed.packed(src, SEQ)
+    got = packed.packed(src, SEQ, str(cache))
     parts = []
     for b in range(-(-src.n_tokens // B)):
         inside = starts[(starts >= b * B) & (starts < (b + 1) * B)]
@@ -156,9 +154,8 @@ CHILD = textwrap.dedent("""
         time.sleep(slow)        # (a large block's time, so the other builder and the kill find it busy)
         return real(*a, **k)
     pack_blocks.pack_block = pack_block
-    packed.use_directory(sys.argv[2])
     packed.configure(PackingConfig(block_tokens=%d, workers=int(sys.argv[4])))
-    t = packed.packed(open_any(sys.argv[1], Options(vocab_size=257, eos_id=256), name="m"), %d)
+    t = packed.packed(open_any(sys.argv[1], Options(vocab_size=257, eos_id=256), name="m"), %d, sys.argv[2])
     print("bins", t.n_samples, flush=True)
 """)
 
@@ -218,7 +215,7 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
 
     def build():
         try:
-            packed.packed(src, SEQ)
+            packed.packed(src, SEQ, str(cache))
         except Unavailable as e:
             out["error"] = str(e)
         out["at"] = time.monotonic()
@@ -234,7 +231,7 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
     packed.stop()
     t.join(5)
     assert not t.is_alive() and out["at"] - asked < 1.0 and "stopping" in out["error"]
-    where = packed.directory() / packed.identity(src.fingerprint, SEQ)
+    where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ)
     parts = Path(f"{where}.blocks")
     left = [p for p in parts.iterdir() if p.is_dir()]
     assert not where.exists() and left and all(not p.name.startswith(".") for p in left)
@@ -244,14 +241,13 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
     torn.write_bytes(torn.read_bytes()[:128] + bytes(len(torn.read_bytes()) - 128))
     built = []
     monkeypatch.setattr(pack_blocks, "pack_block", lambda *a, **k: built.append(a[1]) or real(*a, **k))
-    table = packed.packed(src, SEQ)
+    table = packed.packed(src, SEQ, str(cache))
     assert table.stats["blocks"] == len(built) + len(left) - 1 and not parts.exists()
     assert int(left[0].name) in built     # found by the join's check, built again
     assert not preparing.current()
     again = sidecar(cache, src)
-    packed.use_directory(str(cache.parent / "clean"))
     packed._tables.clear()
-    packed.packed(src, SEQ)
+    packed.packed(src, SEQ, str(cache.parent / "clean"))
     assert sidecar(cache.parent / "clean", src) == again
 
 

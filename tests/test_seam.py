@@ -14,7 +14,7 @@ from feeder.core.cursor import Cursor
 from feeder.core.planning import StreamPlan
 from feeder.core.rows import Rows
 from feeder.service.server import ServerThread
-from feeder.sources import Plan, PlanBase, Source
+from feeder.sources import NO_CONTEXT, Context, Plan, PlanBase, Source
 from feeder.sources.open import open_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +31,9 @@ class ArraySource:
         self.vocab_size, self.eos_id, self.dtype = 1 << 16, 0, tokens.dtype
         self.closed = False
 
-    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> StreamPlan:
-        return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self)
+    def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT) -> StreamPlan:
+        return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self,
+                          orders=ctx.orders)
 
     def locate(self, starts: np.ndarray, n: int) -> Rows:
         return Rows([self.tokens], np.zeros(len(starts), dtype=np.int64), np.asarray(starts, dtype=np.int64), n)

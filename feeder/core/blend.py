@@ -306,7 +306,7 @@ def source_seed(seed: int, name: str) -> int:
     return (seed + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % (1 << 63)
 
 
-def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool, kind: str = ""):
+def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool, kind: str = "", orders=None):
     """The source's `cycle`-th permutation of its n sample ids (identity without shuffle):
     torch.randperm(n) under seed source_seed(seed, name) + cycle, as an epoch's order is.
     Cached with the epoch orders, except small ones: an upsampled small source needs a new
@@ -314,7 +314,7 @@ def source_order(n: int, seed: int, name: str, cycle: int, shuffle: bool, kind: 
     epoch orders (256 entries) for permutations cheaper to draw again than to look up."""
     if n < SMALL_SOURCE and shuffle and order.kind_of(kind).materialized:
         return order.make(kind, n, source_seed(seed, name) + cycle)
-    return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle, kind)
+    return sampler.epoch_order(n, source_seed(seed, name), cycle, shuffle, kind, orders)
 
 
 SMALL_SOURCE = 1 << 12
@@ -361,7 +361,7 @@ def sources_of(mix: Mixture, epoch: int, positions: np.ndarray, done: np.ndarray
 
 
 def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.ndarray, *, seed: int,
-               shuffle: bool, kind: str = "") -> np.ndarray:
+               shuffle: bool, kind: str = "", orders=None) -> np.ndarray:
     """The id within its source of each draw: draw k of source d is source_order(...,
     k // n_d)[k % n_d]."""
     out = np.empty(len(draws), dtype=np.int64)
@@ -372,7 +372,7 @@ def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.
         k = draws[at]
         lo, hi = int(k.min()) // n, int(k.max()) // n
         if lo == hi:   # a run's draws of a source nearly always lie in one of its permutations
-            out[at] = source_order(n, seed, mix.names[d], lo, shuffle, kind)[k - lo * n]
+            out[at] = source_order(n, seed, mix.names[d], lo, shuffle, kind, orders)[k - lo * n]
             continue
         cycles, r = np.divmod(k, n)
         if n == 1 or not shuffle:   # every permutation is the identity
@@ -385,7 +385,7 @@ def sample_ids(mix: Mixture, sizes: tuple[int, ...], src: np.ndarray, draws: np.
         cuts = [0, *(np.flatnonzero(cs[1:] != cs[:-1]) + 1).tolist(), len(cs)]
         for a, b in zip(cuts[:-1], cuts[1:]):
             sel = by[a:b]
-            out[at[sel]] = source_order(n, seed, mix.names[d], int(cs[a]), shuffle, kind)[r[sel]]
+            out[at[sel]] = source_order(n, seed, mix.names[d], int(cs[a]), shuffle, kind, orders)[r[sel]]
     return out
 
 
@@ -417,8 +417,8 @@ _fill_bytes = 0   # held by _FILL_CACHE (summing its values per insert hashed ev
                   # OrderedDict looks each value up by its key, and a Mixture hashes field by field)
 
 
-def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffle: bool, kind: str = ""
-          ) -> tuple[np.ndarray, np.ndarray]:
+def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffle: bool, kind: str = "",
+          orders=None) -> tuple[np.ndarray, np.ndarray]:
     """(source int64 [N], id int64 [N]): what fills each position of `epoch`, as sources_of and
     sample_ids give it, for every position at once. Cached (every rank of a job shares one), so
     a run of batches costs two takes instead of a pass per source. Positions a remix found
@@ -432,9 +432,9 @@ def fills(mix: Mixture, epoch: int, sizes: tuple[int, ...], *, seed: int, shuffl
     positions = np.arange(mix.epoch_samples, dtype=np.int64)
     done = None
     if epoch == mix.ref_epoch and mix.mix_base:
-        done = consumed(mix, sampler.epoch_order(mix.epoch_samples, seed, epoch, shuffle, kind))
+        done = consumed(mix, sampler.epoch_order(mix.epoch_samples, seed, epoch, shuffle, kind, orders))
     src, draws = sources_of(mix, epoch, positions, done, clip=True)
-    ids = sample_ids(mix, sizes, src, draws, seed=seed, shuffle=shuffle, kind=kind)
+    ids = sample_ids(mix, sizes, src, draws, seed=seed, shuffle=shuffle, kind=kind, orders=orders)
     for a in (src, ids):
         a.setflags(write=False)
     global _fill_bytes

@@ -127,8 +127,9 @@ class StreamPlan(PlanBase):
     snapshot of a Kafka epoch); None for plans used only for their arithmetic (tests, audit)."""
 
     def __init__(self, spec: StreamSpec, *, n_tokens: int, fingerprint: str, cursor: Cursor | None,
-                 src: Position = None, data=None, largest: int = 0, n_samples: int = 0):
+                 src: Position = None, data=None, largest: int = 0, n_samples: int = 0, orders=None):
         self.fingerprint = fingerprint
+        self.orders = orders         # where large torch orders come from (feeder.sources.Context)
         self.src = src               # carried in every cursor (Kafka bounded: the frozen epoch, KafkaEpoch)
         self.data = data
         self.dtype = data.dtype if data is not None else np.dtype(np.uint32)
@@ -222,14 +223,14 @@ class StreamPlan(PlanBase):
         while epoch < end:
             while True:   # an order being built: the rank is told so, and asks again
                 try:
-                    ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation)
+                    ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation, self.orders)
                     break
                 except sampler.OrderPending as e:
                     self.waiting = str(e)
                     yield PENDING
             self.waiting = ""
             if epoch + 1 < end:   # the next epoch's order is built while this one is served
-                sampler.prepare_order(n, s.seed, epoch + 1, s.shuffle, s.permutation)
+                sampler.prepare_order(n, s.seed, epoch + 1, s.shuffle, s.permutation, self.orders)
             if epoch == self.start.epoch:
                 base, world, pos, step = self.start.base, self.start.world, self.start.pos, self.start.step
             else:

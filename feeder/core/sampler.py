@@ -54,27 +54,19 @@ def _draw_in_memory(n: int, seed: int, kind: str):
     return order.torch_randperm(n, seed, kind)[0]
 
 
-# Where torch's orders larger than SMALL_ORDER come from: get(n, seed, kind) -> an array, or
-# OrderPending; prepare(n, seed, kind) starts building one ahead of need. A server installs its
-# order store (feeder.order_store); without one (tests, audit, tools) they are drawn in
-# memory, synchronously, when asked.
-_large_orders = _draw_in_memory
-_prepare = None
+# Torch's orders larger than SMALL_ORDER come from the caller's order store (`orders`: get(n,
+# seed, kind) -> an array, or OrderPending; prepare(n, seed, kind) starts building one ahead of
+# need; feeder.domain.order_store), which a server hands its plans (feeder.sources.Context);
+# without one (tests, audit, tools) they are drawn in memory, synchronously, when asked.
 
 
-def use_order_store(store) -> None:
-    """Install where large torch orders come from (None: drawn in memory when asked)."""
-    global _large_orders, _prepare
-    _large_orders, _prepare = (store.get, store.prepare) if store is not None else (_draw_in_memory, None)
+def prepare_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "", orders=None) -> None:
+    """Have epoch's order built ahead of need, where it is built at all (large, torch's, with a store)."""
+    if shuffle and order.kind_of(kind).torch and n > SMALL_ORDER and orders is not None:
+        orders.prepare(n, seed + epoch, kind)
 
 
-def prepare_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "") -> None:
-    """Have epoch's order built ahead of need, where it is built at all (large, torch's)."""
-    if shuffle and order.kind_of(kind).torch and n > SMALL_ORDER and _prepare is not None:
-        _prepare(n, seed + epoch, kind)
-
-
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = ""):
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "", orders=None):
     """The epoch's global order of sample ids (an order: `order[positions]`, `len(order)`).
 
     `kind` is the permutation (feeder.core.order.kinds()): torch's (materialized: cached here when
@@ -87,7 +79,7 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = ""):
     if not k.materialized:   # computed per position: nothing to draw or keep
         return k.make(n, seed + epoch)
     if n > SMALL_ORDER and k.torch:   # built once into the cache directory (the order store)
-        return _large_orders(n, seed + epoch, kind)
+        return (orders.get if orders is not None else _draw_in_memory)(n, seed + epoch, kind)
     return _cached(n, seed + epoch, kind)
 
 

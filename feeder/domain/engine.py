@@ -26,7 +26,7 @@ from feeder.pipeline.jobs import Job, Jobs, RankState
 from feeder.pipeline.members import Member, Window, share_key
 from feeder.pipeline.stream import RankStream
 from feeder.domain.siblings import Siblings
-from feeder.sources import Source
+from feeder.sources import Context, Source
 from feeder.sources.mixture import MixtureSource
 from feeder.domain.process_status import JobStatus, MemberStatus, ProcessStatus, RankStatus
 
@@ -56,6 +56,9 @@ class Engine:
         self.version = __version__
         # Large epoch orders of torch's kind: built once into the cache directory, shared.
         self.orders = OrderStore(cfg.cache, max_bytes=int(cfg.cache_max_gb * 2**30))
+        # What this server's plans build into and take from (no process-wide state: another
+        # server in this process keeps its own).
+        self.context = Context(cache_dir=cfg.cache, orders=self.orders)
         self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
 
     def source(self, name: str) -> Source:
@@ -116,7 +119,7 @@ class Engine:
         if spec.mixture:
             src, spec = self.mixture(spec, decoded)
         # Off the loop: a source may read to plan (Kafka decides per job what an epoch is).
-        plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded)
+        plan = await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, spec, decoded, self.context)
         # The permutation as the plan agreed it: the job's ranks are held to that, not to the
         # torch release each one names (they agree wherever their releases draw the same).
         # (and a mixture's epoch_samples as the plan filled it in)
@@ -157,7 +160,7 @@ class Engine:
             s = spec if at == cursor or spec.num_workers == 1 else \
                 dataclasses.replace(spec, worker_phase=(spec.worker_index + 1) % spec.num_workers)
             decoded = Cursor.decode(at, self.cfg.cursor_secret) if at else None
-            return await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, s, decoded)
+            return await asyncio.get_running_loop().run_in_executor(self.planner, src.plan, s, decoded, self.context)
 
         window = job.windows.get(key)
         if window is None:

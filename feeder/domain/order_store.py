@@ -101,7 +101,7 @@ class OrderStore:
         self.verify_seconds = 0.0   # spent verifying files before mapping them (metrics)
         self._opening = threading.Lock()   # one verification at a time: ranks that ask together wait for it
 
-    # -- what the sampler calls (feeder.sampler.use_order_store) --
+    # -- what plans call (feeder.core.sampler.epoch_order, with the server's feeder.sources.Context) --
     def get(self, n: int, seed: int, kind: str) -> np.ndarray:
         """The order, or OrderPending (its build started, or waited for) saying how far it is."""
         name = self.name(n, seed, kind)

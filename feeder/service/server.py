@@ -11,11 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from feeder.core import sampler
 from feeder.core.config import ServeConfig
 from feeder.domain.engine import Engine
 from feeder.core.errors import Unavailable
-from feeder.sources import packed
 from feeder.service.wire import encode_reply
 from feeder.service.servicer import FeederServicer, add_to_server, status_reply
 from feeder.sources import Source
@@ -49,10 +47,6 @@ class Server:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port = 0
-        # This process's streams take large torch orders from this feeder's store (the last
-        # started, where one process runs several feeders: tests, benchmarks).
-        sampler.use_order_store(self.engine.orders)
-        packed.use_directory(cfg.cache)   # best-fit bins: built once into the cache directory, shared
         self.stopped = asyncio.Event()
         self.metrics_server = None
         self.metrics_address = ""
@@ -160,8 +154,6 @@ class Server:
             self._publisher.cancel()
             self.engine.siblings.withdraw()
         self.engine.close()
-        if sampler._large_orders == self.engine.orders.get:   # (a stopped store builds nothing)
-            sampler.use_order_store(None)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self.stopped.set()

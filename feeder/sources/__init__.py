@@ -13,6 +13,7 @@ implements both protocols in full; tests/test_seam.py checks each against them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -55,6 +56,19 @@ class Plan(Protocol):
         """A cursor with the stream's fixed fields (the pipeline writes the moving ones)."""
 
 
+@dataclass(frozen=True)
+class Context:
+    """What a server hands every `Source.plan`: where what is built once lives. Nothing of it is
+    process-wide, so two servers in one process (tests, benchmarks, an embedding) keep theirs
+    apart."""
+
+    cache_dir: str = ""          # best-fit sidecars under <cache_dir>/packing ("": the user's cache)
+    orders: object = None        # the order store (get, prepare) of large torch orders; None: drawn in memory
+
+
+NO_CONTEXT = Context()
+
+
 @runtime_checkable
 class Source(Protocol):
     """A dataset a feeder serves: its Info, and the Plan of each rank's stream."""
@@ -67,8 +81,9 @@ class Source(Protocol):
     eos_id: int
     dtype: np.dtype
 
-    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> Plan:
-        """The plan of one rank's stream, resumed after `cursor` (verified) if given. May block
+    def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT) -> Plan:
+        """The plan of one rank's stream, resumed after `cursor` (verified) if given, with what
+        the server keeps (`ctx`: its cache directory and order store). May block
         (a Kafka snapshot is built, metadata read): the engine calls it off the event loop.
         Raises FeederError: WrongReplica when this is not the data the job reads,
         FailedPrecondition when the cursor does not fit the request."""
@@ -131,5 +146,5 @@ class Documents(Protocol):
         and where the last of them ends (the next document's start, or n_tokens)."""
 
 
-__all__ = ["ChunkTable", "Documents", "PerJob", "Plan", "PlanBase", "Source", "Pending", "PlannedRun", "Start",
+__all__ = ["ChunkTable", "Context", "Documents", "NO_CONTEXT", "PerJob", "Plan", "PlanBase", "Source", "Pending", "PlannedRun", "Start",
            "Rows"]

@@ -23,7 +23,7 @@ from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, WrongRepl
 from feeder.core.planning import PENDING, PlanBase, PlannedRun, Start, StreamPlan
 from feeder.core.rows import Rows
 from feeder.core.layout import Bounds
-from feeder.sources import ChunkTable, PerJob
+from feeder.sources import NO_CONTEXT, ChunkTable, Context, PerJob
 from feeder.sources.posix import locate_bounds, locate_rows
 
 
@@ -113,13 +113,13 @@ class MixtureSource:
         self.n_tokens = self.fixed.n_tokens if self.fixed else 0
         self.n_documents = self.fixed.n_documents if self.fixed else 0
 
-    def plan(self, spec: StreamSpec, cursor: Cursor | None):
+    def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT):
         """A stream's plan: its parts (each bounded topic's epoch for the job: the cursor's, or
         the one agreed for the job), then the blending over their sizes. May block."""
         if self.tailed:
             return self.served[0].interleave(self.names, self.weights, self.served, spec, cursor)
         if self.fixed is not None:
-            return self.fixed.plan(spec, cursor)
+            return self.fixed.plan(spec, cursor, ctx)
         pinned = {}
         if cursor is not None and type(cursor.src) is Mixture:
             pinned = dict(zip(cursor.src.names, cursor.src.fingerprints))
@@ -134,7 +134,7 @@ class MixtureSource:
                     key, part = src.fingerprint, src
                 parts.append(part)
                 keys.append(key)
-            plan = MixtureParts(self.names, self.weights, parts, tuple(keys)).plan(spec, cursor)
+            plan = MixtureParts(self.names, self.weights, parts, tuple(keys)).plan(spec, cursor, ctx)
         except BaseException:
             for src, token in held:
                 src.release(spec.job, token)
@@ -166,15 +166,15 @@ class MixtureParts:
         # that only says where rows lie (the Source seam's least) is asked source by source.
         self.joined = Joined(self.names, self.parts) if all(isinstance(p, ChunkTable) for p in self.parts) else None
 
-    def packed(self, seq_len: int) -> list:
+    def packed(self, seq_len: int, cache_dir: str = "") -> list:
         """Each source's best-fit bins at seq_len (feeder.sources.packed)."""
         from feeder.sources.packed import packed
 
-        return [packed(p, seq_len) for p in self.parts]
+        return [packed(p, seq_len, cache_dir) for p in self.parts]
 
-    def sizes(self, seq_len: int, packing: str = "concat") -> tuple[int, ...]:
+    def sizes(self, seq_len: int, packing: str = "concat", cache_dir: str = "") -> tuple[int, ...]:
         """Each source's samples at seq_len; a source too small for one is refused."""
-        sizes = tuple(t.n_samples for t in self.packed(seq_len)) if packing == "best_fit" else \
+        sizes = tuple(t.n_samples for t in self.packed(seq_len, cache_dir)) if packing == "best_fit" else \
             tuple(sampler.n_samples(p.n_tokens, seq_len) for p in self.parts)
         for name, n, p in zip(self.names, sizes, self.parts):
             if n == 0:
@@ -182,15 +182,15 @@ class MixtureParts:
                                          f"of seq_len + 1 = {seq_len + 1} tokens")
         return sizes
 
-    def epoch_samples(self, spec: StreamSpec) -> int:
+    def epoch_samples(self, spec: StreamSpec, cache_dir: str = "") -> int:
         """The request's epoch_samples, or the sources' samples summed."""
-        return spec.epoch_samples or sum(self.sizes(spec.seq_len, spec.packing))
+        return spec.epoch_samples or sum(self.sizes(spec.seq_len, spec.packing, cache_dir))
 
-    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> "MixturePlan":
+    def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT) -> "MixturePlan":
         if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
             raise WrongReplica(f"mixture fingerprint mismatch: the job expects {spec.expected_fingerprint}, this "
                                f"feeder's sources {self.name!r} make {self.fingerprint}; refusing to serve other data")
-        return MixturePlan(self, spec, cursor)
+        return MixturePlan(self, spec, cursor, ctx)
 
 
 class MixturePlan(PlanBase):
@@ -198,9 +198,10 @@ class MixturePlan(PlanBase):
 
     held: list = []      # (source, token) of each bounded topic's epoch the stream keeps agreed
 
-    def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None):
-        self.sizes = src.sizes(spec.seq_len, spec.packing)
-        n = src.epoch_samples(spec)
+    def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT):
+        self.orders = ctx.orders     # where large torch orders come from (the epoch's and the sources')
+        self.sizes = src.sizes(spec.seq_len, spec.packing, ctx.cache_dir)
+        n = src.epoch_samples(spec, ctx.cache_dir)
         spec = dataclasses.replace(spec, epoch_samples=n)
         self.src, self.spec = src, spec
         self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
@@ -210,7 +211,7 @@ class MixturePlan(PlanBase):
         # topic's by its epoch's ranges: what rebuilds that epoch on any feeder).
         self.tables = src.parts
         if spec.packing == "best_fit":
-            self.tables = src.packed(spec.seq_len)
+            self.tables = src.packed(spec.seq_len, ctx.cache_dir)
             self.fingerprint = "mix-" + hashlib.sha256(
                 "\0".join(f"{n}\0{t.fingerprint}" for n, t in zip(src.names, self.tables)).encode()).hexdigest()[:32]
         # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run
@@ -225,7 +226,7 @@ class MixturePlan(PlanBase):
         # (the sources' permutations are orders too: the largest decides which torch releases agree)
         self.inner = StreamPlan(dataclasses.replace(spec, reshard=True) if remix else spec,
                                 n_tokens=n * spec.seq_len + 1, fingerprint=self.fingerprint, cursor=cursor, src=self.mix,
-                                largest=max(self.sizes))
+                                largest=max(self.sizes), orders=ctx.orders)
         self.spec = dataclasses.replace(spec, permutation=self.inner.spec.permutation)
         if remix:
             self.mix, self.inner.start = self._remix(cursor, cursor.src, want)
@@ -291,12 +292,15 @@ class MixturePlan(PlanBase):
         """(source, id within it) of each position of the run."""
         s, mix = self.spec, self.mix
         if self.n <= mx.FILL_TABLE_MAX:   # the epoch's table, shared by the job's ranks: two takes
-            src, ids = mx.fills(mix, run.epoch, self.sizes, seed=s.seed, shuffle=s.shuffle, kind=s.permutation)
+            src, ids = mx.fills(mix, run.epoch, self.sizes, seed=s.seed, shuffle=s.shuffle, kind=s.permutation,
+                                orders=self.orders)
             return src[run.ids], ids[run.ids]
         if run.epoch == mix.ref_epoch and mix.mix_base and self._done is None:   # once per stream
-            self._done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle, s.permutation))
+            self._done = mx.consumed(mix, sampler.epoch_order(self.n, s.seed, run.epoch, s.shuffle, s.permutation,
+                                                              self.orders))
         src, draws = mx.sources_of(mix, run.epoch, run.ids, self._done)
-        return src, mx.sample_ids(mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle, kind=s.permutation)
+        return src, mx.sample_ids(mix, self.sizes, src, draws, seed=s.seed, shuffle=s.shuffle, kind=s.permutation,
+                                  orders=self.orders)
 
     def locate(self, starts: np.ndarray, n: int, sources: np.ndarray | None = None) -> Rows:
         """Where each row lies: `starts` are within each row's own source."""

@@ -39,17 +39,10 @@ except ImportError:  # no C compiler at install
 
 log = logging.getLogger("feeder.packing")
 
-_directory: str = ""
 _config = PackingConfig()
 _lock = threading.Lock()          # _tables and _building only: never held across a build
 _tables: dict[tuple[str, int, int], "PackedTable"] = {}
 _building: dict[tuple[str, int, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
-
-
-def use_directory(cache_dir: str) -> None:
-    """Where sidecars are kept: `<cache>/packing` (a server sets its cache directory)."""
-    global _directory
-    _directory = os.path.join(cache_dir, "packing") if cache_dir else ""
 
 
 def configure(cfg: PackingConfig) -> None:
@@ -63,9 +56,11 @@ def stop() -> None:
     pack_blocks.stop()
 
 
-def directory() -> Path:
-    d = Path(_directory or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                        "feeder", "packing"))
+def directory(cache_dir: str = "") -> Path:
+    """Where sidecars are kept: `<cache_dir>/packing` (the server's cache directory, from its
+    feeder.sources.Context), else the user's cache."""
+    d = Path(os.path.join(cache_dir, "packing") if cache_dir else
+             os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "feeder", "packing"))
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -123,7 +118,7 @@ class PackedTable:
         return self.packing.bounds(self._bins(starts, n))
 
 
-def packed(source, seq_len: int) -> PackedTable:
+def packed(source, seq_len: int, cache_dir: str = "") -> PackedTable:
     """The best-fit bins of `source` at seq_len: mapped from the sidecar, built first if there
     is none (once per process; the build is noted for waiting ranks and `feeder status`)."""
     key = (source.fingerprint, seq_len, _config.block_tokens)   # (the block size: tests change it)
@@ -138,7 +133,7 @@ def packed(source, seq_len: int) -> PackedTable:
             got = _tables.get(key)
             if got is not None and got.source is source:
                 return got
-        where = directory() / identity(source.fingerprint, seq_len)
+        where = directory(cache_dir) / identity(source.fingerprint, seq_len)
         # Processes sharing the cache may find a damaged sidecar together: each removes only the
         # one it checked (cache.remove_damaged), and one that finds the sidecar gone again (another
         # removed its copy) builds or reads again, a few times.

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from feeder.sources import NO_CONTEXT, Context
 from feeder.sources import manifest as mf
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor, Mixture
@@ -76,7 +77,7 @@ class PosixSource:
             if si in self._bad:
                 log.error("dataset %s: %s; streams that reach it will fail", self.name, self._bad[si])
 
-    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> StreamPlan:
+    def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT) -> StreamPlan:
         """The plan of one rank's stream over this dataset (Source.plan)."""
         if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
             raise WrongReplica(
@@ -90,10 +91,11 @@ class PosixSource:
         if spec.packing == "best_fit":
             from feeder.sources.packed import packed
 
-            table = packed(self, spec.seq_len)
+            table = packed(self, spec.seq_len, ctx.cache_dir)
             return StreamPlan(spec, n_tokens=self.n_tokens, n_samples=table.n_samples, fingerprint=table.fingerprint,
-                              cursor=cursor, data=table)
-        return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self)
+                              cursor=cursor, data=table, orders=ctx.orders)
+        return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self,
+                          orders=ctx.orders)
 
     def close(self) -> None:
         """Nothing to let go of: the maps close with the process."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from feeder.sources import NO_CONTEXT, Context
 from feeder.sources import manifest as mf
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor
@@ -101,7 +102,7 @@ class KafkaSource:
         return format_ranges(topic, spans)
 
     # -- streams
-    def plan(self, spec: StreamSpec, cursor: Cursor | None) -> "StreamPlan | FollowPlan":
+    def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT) -> "StreamPlan | FollowPlan":
         """The plan of one stream (Source.plan): a StreamPlan over the job's epoch snapshot, or a
         FollowPlan tailing the topic. May block (snapshot build, metadata)."""
         policy = spec.bad_records or self.url.bad_records
@@ -128,13 +129,13 @@ class KafkaSource:
         if spec.packing == "best_fit":   # a record is a document: the epoch's records, packed
             from feeder.sources.packed import packed
 
-            data = packed(snap, spec.seq_len)
+            data = packed(snap, spec.seq_len, ctx.cache_dir)
             n_samples = data.n_samples
         if cursor is not None and cursor.fingerprint != data.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {data.fingerprint!r}")
         plan = _BoundedPlan(spec, n_tokens=snap.n_tokens, fingerprint=data.fingerprint, cursor=cursor,
-                            src=KafkaEpoch(ranges), data=data, n_samples=n_samples)
+                            src=KafkaEpoch(ranges), data=data, n_samples=n_samples, orders=ctx.orders)
         plan.bad_records = snap.bad_records
         plan.register = self._register
         self._register.hold(spec.job, plan)

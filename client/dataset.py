@@ -1,6 +1,7 @@
 """FeederDataset: a torch IterableDataset over one rank's feeder stream."""
 from __future__ import annotations
 
+import operator
 import os
 import tempfile
 import uuid
@@ -91,6 +92,10 @@ class FeederDataset(IterableDataset):
                  epoch_samples: int = 0, remix: bool = False, permutation: str = "torch",
                  connect_timeout_s: float = 30.0, boundaries: bool = False, packing: str = "concat",
                  member: int = 0, members: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_layout: str = "zigzag"):
+        # Mesh arithmetic gives numpy or torch integers: taken as the ints they are (a float or a
+        # bool is still refused by StreamSpec, saying what was expected).
+        rank, world_size, seq_len, micro_batch, member, members, cp_rank, cp_size = (
+            _as_int(v) for v in (rank, world_size, seq_len, micro_batch, member, members, cp_rank, cp_size))
         regions: tuple[str, ...] = ()
         if isinstance(targets, str):
             targets = [targets]
@@ -208,6 +213,17 @@ class FeederDataset(IterableDataset):
         """The region feeding this pass now ("" before the first batch)."""
         return self.client.region if self.client is not None else ""
 
+
+
+def _as_int(value):
+    """numpy's and torch's integers (what a framework's mesh arithmetic gives) as int; anything
+    else as it is, for StreamSpec to refuse with a message."""
+    if isinstance(value, (bool, int)) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _remove_anchor(path: str, owner: int) -> None:

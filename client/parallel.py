@@ -81,7 +81,9 @@ def from_megatron(parallel_state) -> FeederRanks:
 # Names the frameworks give each dimension of a torch DeviceMesh.
 DIMS = {"dp": ("dp", "dp_replicate", "dp_shard", "data_parallel", "data"),
         "tp": ("tp", "tensor_parallel", "tensor"), "pp": ("pp", "pipeline_parallel", "pipe"),
-        "cp": ("cp", "sp", "context_parallel", "context")}
+        "cp": ("cp", "context_parallel", "context")}
+# (Not "sp": Megatron's sequence parallelism slices no data, and Ulysses's is the contiguous layout,
+# which a mesh cannot say: name such a dimension cp and pass cp_layout, or use mesh_ranks.)
 
 
 def from_device_mesh(mesh) -> FeederRanks:

@@ -22,6 +22,7 @@ def _open(jobs: Jobs, started: int, continued: bool, rank: int = 0, worker: int 
     spec = StreamSpec(job="j", rank=rank, world_size=2, seq_len=8, micro_batch=2, worker_index=worker,
                       num_workers=workers, client_started_ns=started, continued=continued)
     s = _Stream()
+    s.spec = spec
     jobs.attach(spec, s)
     return s
 

@@ -386,7 +386,7 @@ def test_dataloader_workers_send_their_trainers_start_time(feeder):
         if k == 3:
             break
     holders = feeder.server.engine.jobs.get("fence-workers").holders
-    assert holders == {(0, 0, 0, 0): ds.spec.client_started_ns, (0, 1, 0, 0): ds.spec.client_started_ns}
+    assert holders == {(0, 0, 1, 0, 0): ds.spec.client_started_ns, (0, 1, 1, 0, 0): ds.spec.client_started_ns}
 
 
 # -- found by the outside review of cursor version 3 ---------------------------------------------

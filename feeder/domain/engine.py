@@ -232,7 +232,7 @@ class Engine:
             st.took(position)
             if st.state != was:   # ("all sent" -> "finished": the siblings' view must not lag it)
                 self.on_change()
-            stream = j.streams.get((rank, 0, 0, 0))
+            stream = next((s for (r, w, *_), s in j.streams.items() if r == rank and w == 0), None)
             if stream is not None:
                 stream.live_plan.taken(position[1])
         if batches and step_s > 0:
@@ -270,7 +270,8 @@ def _rank_status(r, region: str) -> RankStatus:
     return RankStatus(rank=r.rank, connected=r.connected, epoch=epoch, samples_done=done,
                       samples_in_epoch=r.samples_in_epoch, batches_sent=r.batches_sent, bytes_sent=r.bytes_sent,
                       tokens_per_s=r.tokens_per_s, queue_depth=r.queue_depth, data_wait_fraction=r.data_wait_fraction,
-                      last_error=r.last_error, peer=r.peer, restarts=max(0, r.streams_opened - 1),
+                      last_error=r.last_error, peer=r.peer,
+                      restarts=r.restarts,
                       failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
                       state=r.state, samples_sent=r.samples_done, reported=r.consumed is not None,
                       sent_epoch=r.epoch, members=member_status(r), window_builds=r.window_builds,

@@ -1,7 +1,7 @@
 """The job registry: which jobs stream here, their ranks' state, and who holds each slot.
 
 A job is its parameters (the sampling key every rank must share) and its open streams, one per
-slot (rank, DataLoader worker, context-parallel rank, member: `slot`). The registry decides who may open a slot (the newest stream of
+slot (rank, DataLoader worker, context-parallel size and rank, member: `slot_of`). The registry decides who may open a slot (the newest stream of
 a slot wins, a replaced trainer process may not take its slot back: `fence`, `hold`) and keeps
 what status and metrics show of each rank (RankState). Event-loop only: no locks, no I/O.
 """
@@ -26,6 +26,8 @@ log = logging.getLogger("feeder.stream")
 
 class Stream(Protocol):
     """What the registry needs of an open stream (pipeline.stream.RankStream)."""
+
+    spec: StreamSpec
 
     def supersede(self) -> None: ...
 
@@ -55,6 +57,7 @@ class RankState:
     last_error: str = ""
     peer: str = ""
     streams_opened: int = 0
+    slots: set = field(default_factory=set)   # the slots (worker, member, cp rank) its streams held
     failovers: int = 0
     micro_batch: int = 1
     seq_len: int = 0
@@ -101,6 +104,12 @@ class RankState:
             self._rate_t, self._rate_tokens = now, 0
 
     @property
+    def restarts(self) -> int:
+        """Streams opened after the first of each slot: a stream per DataLoader worker, member and
+        context-parallel rank is none."""
+        return max(0, self.streams_opened - max(1, len(self.slots)))
+
+    @property
     def tokens_per_s(self) -> float:
         """What the rank consumes (reported) while connected; until it reports, what is sent."""
         if not self.connected:
@@ -140,7 +149,7 @@ class Job:
     key: tuple          # the parameters every rank of the job must share
     world_size: int
     ranks: dict[int, RankState] = field(default_factory=dict)
-    streams: dict[tuple[int, int, int, int], Stream] = field(default_factory=dict)
+    streams: dict[tuple[int, int, int, int, int], Stream] = field(default_factory=dict)
     # A model-parallel rank's shared windows of messages, by what their members receive
     # (pipeline/members.py: share_key).
     windows: dict[tuple, object] = field(default_factory=dict)
@@ -201,6 +210,7 @@ class Jobs:
                                           dataset=spec.dataset or "+".join(n for n, _ in spec.mixture),
                                           **fenced)
         slot = slot_of(spec)
+        agree(j, spec, slot)
         hold(j, slot, spec)
         old = j.streams.get(slot)
         if old is not None:
@@ -211,6 +221,7 @@ class Jobs:
         state = j.ranks.setdefault(spec.rank, RankState(rank=spec.rank))
         state.connected, state.state = True, "streaming"
         state.streams_opened += 1
+        state.slots.add(slot)
         state.micro_batch, state.seq_len = spec.micro_batch, spec.seq_len
         state.mixture = tuple(n for n, _ in spec.mixture)
         return state
@@ -269,10 +280,34 @@ def fence(job: Job, spec: StreamSpec) -> None:
         "may not take it back")
 
 
-def slot_of(spec: StreamSpec) -> tuple[int, int, int, int]:
-    """What one stream holds: (rank, DataLoader worker, context-parallel rank, member). Each
-    member of a model-parallel rank is fenced, replaced and resumed on its own."""
-    return spec.rank, spec.worker_index, spec.cp_rank, spec.member
+def agree(job: Job, spec: StreamSpec, slot: tuple) -> None:
+    """Refuse a stream whose model-parallel layout differs from its rank's open streams': the
+    context-parallel ranks of a rank must split samples alike (another cp_size or cp_layout
+    would leave positions untrained or trained twice), and the members of one context-parallel
+    rank must count themselves alike. (A stream of whole samples beside them is fine: it reads
+    the rank's stream, as a logger or an evaluator may.) The stream it would replace, in its
+    own slot, does not count: a restarted member may come back with another layout."""
+    for other_slot, other in job.streams.items():
+        o = other.spec
+        if other_slot == slot or o.rank != spec.rank:
+            continue
+        if spec.cp_size > 1 and o.cp_size > 1 and (o.cp_size, o.cp_layout) != (spec.cp_size, spec.cp_layout):
+            raise FailedPrecondition(
+                f"rank {spec.rank} of job {spec.job!r} is split for context parallelism with cp_size={o.cp_size}, "
+                f"cp_layout={o.cp_layout!r} by its open streams; this one asks for cp_size={spec.cp_size}, "
+                f"cp_layout={spec.cp_layout!r}. Every context-parallel rank of a rank must split alike")
+        if (o.cp_size, o.cp_rank) == (spec.cp_size, spec.cp_rank) and o.members != spec.members:
+            raise FailedPrecondition(
+                f"rank {spec.rank} of job {spec.job!r} is read by members=K={o.members} processes (its open "
+                f"streams say); this one says members={spec.members}. Every member of a rank must pass the same "
+                "members (and each its own member=k)")
+
+
+def slot_of(spec: StreamSpec) -> tuple[int, int, int, int, int]:
+    """What one stream holds: (rank, DataLoader worker, cp_size, context-parallel rank, member).
+    Each member of a model-parallel rank is fenced, replaced and resumed on its own; a stream of
+    whole samples (cp_size 1) is apart from context-parallel rank 0's."""
+    return spec.rank, spec.worker_index, spec.cp_size, spec.cp_rank, spec.member
 
 
 def _slot_name(spec: StreamSpec) -> str:

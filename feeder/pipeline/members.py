@@ -29,6 +29,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.errors import FeederError
 from feeder.pipeline.batcher import Block
+from feeder.pipeline.jobs import slot_of
 from feeder.pipeline.stream import UNTIL, WAITING, WAITING_EVERY_S, WAITING_POLL_S, Producer, RankStream
 from feeder.sources import Plan
 
@@ -101,8 +102,12 @@ class Window:
                 return e.first
         return None
 
-    async def changed(self) -> None:
-        await self._changed.wait()
+    def changed(self):
+        """An awaitable of the window's next change. The event is taken now, not when the
+        awaitable first runs: a change between the two (the producer's end, wrapped in a task
+        that starts later) would otherwise be waited for on a fresh event nobody sets (a member
+        then sat out its rank's idle timeout at the stream's end: review of issue 33)."""
+        return self._changed.wait()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -202,7 +207,7 @@ class Member:
                  replan: Callable[[bytes], Awaitable[Plan]]):
         self.stream, self.window, self.replan = stream, window, replan
         s = stream.spec
-        self.slot = (s.rank, s.worker_index, s.cp_rank, s.member)
+        self.slot = slot_of(s)
         self.last = opened_at                  # the cursor of the last batch sent (b"": none yet)
         self.position: tuple[int, int] | None = None   # (epoch, step) of that batch
         seq = window.seq_after(opened_at)

@@ -34,7 +34,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_data_wait_seconds_total": ("counter", "Time the rank's training loop waited for data (reported)",
                                        RANK),
     "feeder_step_seconds_total": ("counter", "Wall time covered by the rank's reports", RANK),
-    "feeder_stream_restarts_total": ("counter", "Streams opened for a rank after its first on this feeder",
+    "feeder_stream_restarts_total": ("counter", "Streams opened for a rank after the first of each of its slots "
+                                     "(worker, member, context-parallel rank) on this feeder",
                                      RANK),
     "feeder_failovers_total": ("counter", "Streams a client opened here because its previous stream broke",
                                RANK),
@@ -126,7 +127,7 @@ class EngineCollector:
             fam["feeder_prefetch_queue_messages"].add_metric(lab, st.queue_depth if st.connected else 0)
             fam["feeder_data_wait_seconds_total"].add_metric(lab, st.wait_s)
             fam["feeder_step_seconds_total"].add_metric(lab, st.step_s)
-            fam["feeder_stream_restarts_total"].add_metric(lab, max(0, st.streams_opened - 1))
+            fam["feeder_stream_restarts_total"].add_metric(lab, st.restarts)
             fam["feeder_failovers_total"].add_metric(lab, st.failovers)
             fam["feeder_rank_connected"].add_metric(lab, 1.0 if st.connected else 0.0)
             epoch, done = st.position

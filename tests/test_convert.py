@@ -11,7 +11,7 @@ import pytest
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.domain.engine import Engine
 from feeder.core.errors import Code, FeederError
-from feeder.domain.process_status import JobStatus, ProcessStatus, RankStatus
+from feeder.domain.process_status import JobStatus, MemberStatus, ProcessStatus, RankStatus
 from feeder.service import convert
 from feeder.v1 import feeder_pb2 as pb
 
@@ -72,13 +72,19 @@ def test_status_converts_every_field(engine):
     rank = RankStatus(rank=1, connected=True, epoch=2, samples_done=3, samples_in_epoch=4, batches_sent=5,
                       bytes_sent=6, tokens_per_s=7.5, queue_depth=8, data_wait_fraction=0.25, last_error="e",
                       peer="p", restarts=9, failovers=10, tokens_sent=11, bad_records=12, region="r",
-                      state="streaming")
+                      state="streaming", window_builds=13, member_shared=14, member_solo=15,
+                      members=(MemberStatus(member=1, cp_rank=2, epoch=3, step=4, shared=True, behind=5),
+                               MemberStatus(member=0, cp_rank=0, epoch=3, step=9, shared=False, behind=0)))
     st = ProcessStatus(region="r", uptime_s=1.5, streams_open=1, rss_mb=2.5, tasks=3, threads=4, processes=1,
                        jobs=(JobStatus(job="j", dataset="d", world_size=2, ranks=(rank,)),))
     reply = convert.status_reply(st)
     assert reply.region == "r" and reply.uptime_s == 1.5 and reply.tasks == 3 and reply.jobs[0].world_size == 2
     got = reply.jobs[0].ranks[0]
-    assert {f.name: getattr(got, f.name) for f in dataclasses.fields(rank)} == dataclasses.asdict(rank)
+    want = dataclasses.asdict(rank)
+    members = want.pop("members")
+    assert {f.name: getattr(got, f.name) for f in dataclasses.fields(rank) if f.name != "members"} == want
+    assert [{f.name: getattr(m, f.name) for f in dataclasses.fields(MemberStatus)} for m in got.members] == \
+        [dict(m) for m in members]
 
 
 def test_the_engine_status_of_an_unknown_job_is_not_found(engine):

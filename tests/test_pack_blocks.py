@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.scale import megatron_corpus
+from feeder_bench.scale import megatron_corpus
 from feeder.core import layout
 from feeder.core.errors import Unavailable
 from feeder.sources import Documents, pack_blocks, packed, preparing

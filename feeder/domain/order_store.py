@@ -39,7 +39,6 @@ import mmap
 import os
 import shutil
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +48,8 @@ import numpy as np
 from feeder.core import order
 from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.core.sampler import OrderPending
+from feeder.domain import order_file
+from feeder.domain.order_file import TRAILER
 from feeder.sources import cache
 
 log = logging.getLogger("feeder.orders")
@@ -56,9 +57,6 @@ log = logging.getLogger("feeder.orders")
 RETRY_S = 5.0           # a failed build (disk full, permissions) is tried again this often
 HUGE_FROM = 256 << 20   # orders this large are drawn on huge pages (below, the page tables fit in cache)
 WRITE_CHUNK = 64 << 20  # the huge-page build is written out and freed in parts this large
-# After the ids: magic, n, then feeder.order.CHECK_FIELDS as built (little-endian u64 each).
-TRAILER = struct.Struct("<8sQ6Q")
-MAGIC = b"FDORDER1"
 
 
 @dataclass
@@ -179,7 +177,7 @@ class OrderStore:
         try:
             st = os.fstat(fd)
             t0 = time.perf_counter()
-            why, mm = _verified(fd, st.st_size, n, dtype)
+            why, mm = order_file.verified(fd, st.st_size, n, dtype)
             took = time.perf_counter() - t0
         finally:
             os.close(fd)   # (a mapping outlives its descriptor)
@@ -315,7 +313,7 @@ class OrderStore:
         with mmap.mmap(f.fileno(), size) as mm:
             out = np.frombuffer(mm, dtype=dtype)
             stopped = order.torch_randperm(b.n, seed, kind, out=out, progress=b.progress)[1]
-            trailer = None if stopped else _trailer(b.n, out)
+            trailer = None if stopped else order_file.trailer(b.n, out)
             del out   # (the mapping closes only once no array views it)
         if not stopped:
             os.pwrite(f.fileno(), trailer, size)
@@ -345,7 +343,7 @@ class OrderStore:
                 pass
             out = np.frombuffer(mm, dtype=dtype)
             stopped = order.torch_randperm(b.n, seed, kind, out=out, progress=b.progress)[1]
-            trailer = None if stopped else _trailer(b.n, out)
+            trailer = None if stopped else order_file.trailer(b.n, out)
             del out
             if stopped:
                 return True
@@ -399,39 +397,8 @@ class OrderStore:
             log.info("order cache: removed %s (over %.1f GiB)", os.path.basename(p), self.max_bytes / 2**30)
 
 
-def _verified(fd: int, size: int, n: int, dtype: np.dtype) -> tuple[str, mmap.mmap | None]:
-    """Why the order file open as `fd` cannot be served ("" when it can), and its ids mapped
-    read-only when it can."""
-    body = n * dtype.itemsize
-    if size != body + TRAILER.size:   # truncated, a crash before its trailer, another order copied in
-        return f"{size:,} bytes, not the {body + TRAILER.size:,} of {n:,} ids and their trailer", None
-    magic, got_n, *recorded = TRAILER.unpack(os.pread(fd, TRAILER.size, body))
-    if magic != MAGIC or got_n != n:
-        return f"its trailer is not an order's of {n:,} ids (magic {magic!r}, n {got_n:,})", None
-    mm = mmap.mmap(fd, body, prot=mmap.PROT_READ)
-    checks = order.order_checks(np.frombuffer(mm, dtype=dtype))
-    why = order.not_a_permutation(n, checks)
-    if why:
-        why = f"not a permutation of [0, {n:,}): its {why} differ"
-    else:
-        moved = [f for f, got, built in zip(order.CHECK_FIELDS[4:], checks[4:], recorded[4:]) if got != built]
-        if moved:   # a permutation still, but not the one drawn: ids swapped
-            why = f"its {' and '.join(moved)} differ from the build's: ids were moved"
-    return why, (None if why else mm)
-
-
 class _Stopped(Exception):
     pass
-
-
-def _trailer(n: int, ids: np.ndarray) -> bytes:
-    """The trailer of a drawn order: its checks, refused if it is not a permutation (memory
-    that flipped under the draw is not published to every process of the region)."""
-    checks = order.order_checks(ids)
-    why = order.not_a_permutation(n, checks)
-    if why:
-        raise RuntimeError(f"the drawn order of {n:,} ids is not a permutation ({why} wrong): not kept")
-    return TRAILER.pack(MAGIC, n, *checks)
 
 
 def orders_directory(cache_dir: str) -> str:

@@ -67,11 +67,8 @@ def pipeline(bin_dir: Path, address: str) -> int:
     return 0 if same and losses[-1] < losses[0] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    packing = "--packing" in (sys.argv[1:] if argv is None else argv)
-    WORK.mkdir(exist_ok=True)
-    bin_dir = Path(sys.executable).parent
-    feeder = [sys.executable, "-m", "feeder.cli"]
+def build_corpora(feeder: list[str]) -> list[str]:
+    """Steps 1 and 2: the two corpora, each prepared into shards; their names."""
     print(f"== 1/5 corpora: Python {sys.version.split()[0]} standard library sources (code), and its docs and "
           "docstrings (docs)",
           flush=True)
@@ -84,6 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in corpora:
         subprocess.run([*feeder, "prep", str(WORK / f"{name}.jsonl"), "--out", str(WORK / f"shards-{name}"),
                         "--force", "--shard-tokens", str(4 << 20)], check=True)
+    return list(corpora)
+
+
+def main(argv: list[str] | None = None) -> int:
+    packing = "--packing" in (sys.argv[1:] if argv is None else argv)
+    WORK.mkdir(exist_ok=True)
+    bin_dir = Path(sys.executable).parent
+    feeder = [sys.executable, "-m", "feeder.cli"]
+    corpora = build_corpora(feeder)
     print("== 3/5 feeder serve --source code=... --source docs=...", flush=True)
     server = subprocess.Popen([*feeder, "serve", *[a for name in corpora for a in
                                                    ("--source", f"{name}={WORK / ('shards-' + name)}")],

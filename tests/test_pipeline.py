@@ -6,9 +6,6 @@ DeepSpeed checkpoint, continues exactly."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import pytest
 from feeder.core.config import ServeConfig
 from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
-from tests.helpers import free_port, reference_ids
+from tests.helpers import free_port, launch, reference_ids
 
 pytestmark = pytest.mark.slow
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -28,16 +25,7 @@ SEQ, MB, ACCUM, STEPS = 64, 4, 2, 6
 def run(tmp: Path, *extra, expect_rc=0, limit_s=300) -> str:
     cmd = [DEEPSPEED, "--num_gpus", "4", "--master_port", str(free_port()), PIPE, "--pipeline", "2",
            "--seq-len", str(SEQ), "--micro-batch", str(MB), "--grad-accum", str(ACCUM), "--steps", str(STEPS), *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
-                         env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGABRT)
-        out, err = p.communicate(timeout=60)
-        pytest.fail(f"no end after {limit_s} s:\n{out[-6000:]}\n{err[-20000:]}")
-    assert (p.returncode == 0) == (expect_rc == 0), out[-3000:] + err[-3000:]
-    return out
+    return launch(cmd, tmp, "the pipeline run", limit_s=limit_s, expect_rc=expect_rc)
 
 
 def losses(path: Path) -> dict[int, float]:

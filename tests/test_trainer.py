@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 
 from feeder.core.config import ServeConfig
 from feeder.service.server import ServerThread
-from tests.helpers import free_port
+from tests.helpers import free_port, launch
 
 pytestmark = pytest.mark.slow
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -26,16 +24,7 @@ def train(address, job, tmp: Path, *extra, expect_rc=0, limit_s=240):
     prints where every rank's threads stood, and the test fails with that in its message."""
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), TRAIN, "--targets", address,
            "--job", job, "--seq-len", "64", "--micro-batch", "4", "--grad-accum", "2", "--log-every", "3", *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
-                         env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGABRT)
-        out, err = p.communicate(timeout=60)
-        pytest.fail(f"{job}: no end after {limit_s} s; the ranks' stacks:\n{out[-6000:]}\n{err[-20000:]}")
-    assert (p.returncode == 0) == (expect_rc == 0), out[-3000:] + err[-3000:]
-    return out
+    return launch(cmd, tmp, job, limit_s=limit_s, expect_rc=expect_rc)
 
 
 def ds_shm_segments() -> set[str]:

@@ -148,12 +148,12 @@ _BUILD = """
 import json, resource, sys, time
 from feeder.core.malloc import keep_freed_memory
 keep_freed_memory()   # as `feeder serve` does (a block's arrays from the heap, not fresh mmaps)
-from feeder.sources import packed
+from feeder.core.config import PackingConfig
+from feeder.sources import Context, packed
 from feeder.sources.formats import Options, open_any
-from feeder.sources.pack_blocks import PackingConfig
-packed.configure(PackingConfig(workers=int(sys.argv[3])))
 t0 = time.perf_counter()
-t = packed.packed(open_any(sys.argv[1], Options(vocab_size=256, eos_id=0), name="m"), int(sys.argv[4]), sys.argv[2])
+t = packed.packed(open_any(sys.argv[1], Options(vocab_size=256, eos_id=0), name="m"), int(sys.argv[4]),
+                  Context(sys.argv[2], packing=PackingConfig(workers=int(sys.argv[3]))))
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"build_s": time.perf_counter() - t0, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": ru.ru_maxrss / 1024}))
 """

@@ -1,15 +1,19 @@
-"""Extending the feeder (issue 32, docs/extending.md): a new kind of epoch order is one
-registration, served end to end; the cursor bytes of the kinds released so far never change."""
+"""Extending the feeder (issue 32, docs/extending.md): a new kind of epoch order, and a new
+packing, are each one registration, served end to end; the cursor bytes of the kinds released so
+far never change."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from feeder.core import order
+from feeder.core import order, packing
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.cursor import Cursor
+from feeder.core.layout import Bounds
+from feeder.core.rows import Rows
 from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
 from feeder_client.stream import ClientConfig, FeederClient
@@ -77,6 +81,77 @@ def test_a_toy_order_kind_registered_here_is_served_end_to_end(reversed_kind, da
                                                 retry_for_s=10))
             assert [b.sample_ids.tolist() for b in resumed] == [b.sample_ids.tolist() for b in got[3:]]
             resumed.close()
+    finally:
+        srv.stop()
+
+
+class OneDocument:
+    """A toy packing: sample i is document i (with its EOS), cut to seq_len + 1 tokens, the rest EOS."""
+
+    def __init__(self, source, seq_len: int, ctx):
+        starts, end = source.doc_spans(0, source.n_tokens)          # (feeder.sources.Documents)
+        ends = np.minimum(np.append(starts[1:], end), starts + seq_len + 1)
+        self.source, self.seq_len, self.spans, self.dtype = source, seq_len, np.stack([starts, ends], 1), source.dtype
+        self.n_samples, self.fingerprint = len(starts), "toy-1doc-" + source.fingerprint
+
+    def locate(self, starts: np.ndarray, n: int) -> Rows:
+        out = np.full((len(starts), n), self.source.eos_id, dtype=self.dtype)
+        for row, (a, b) in zip(out, self.spans[np.asarray(starts) // self.seq_len]):
+            self.source.read(int(a), row[:b - a])
+        return Rows.of(out)
+
+    def boundaries(self, starts: np.ndarray, n: int) -> Bounds:
+        a, b = self.spans[np.asarray(starts) // self.seq_len].T
+        return Bounds(np.ones(len(a), np.int32), (b - a).astype(np.int32), np.zeros(len(a), np.int32))
+
+
+@pytest.fixture
+def one_document_packing(monkeypatch):
+    """The toy packing, registered for this test only (one registration call)."""
+    monkeypatch.setattr(packing, "_KINDS", dict(packing._KINDS))
+    return packing.register(packing.PackingKind("toy-one-doc", "toy-1doc-", wrap=OneDocument))
+
+
+def test_a_toy_packing_registered_here_is_served_end_to_end(one_document_packing, dataset, docs):
+    """Ranks ask for it by name: each gets DistributedSampler's dealing of its samples (one per
+    document), the document's tokens with their boundaries; its cursors resume it, a concat
+    cursor is refused as another packing's, and a feeder that lacks a packing names those it has."""
+    from feeder.core.errors import FeederError
+    from tests.helpers import reference_ids
+
+    seq, world, mb, eos = 24, 2, 4, 256
+    srv = ServerThread(ServeConfig(source=str(dataset), listen="127.0.0.1:0", message_bytes=2048))
+    try:
+        for rank in range(world):
+            spec = StreamSpec(job="toy-pack", rank=rank, world_size=world, seq_len=seq, micro_batch=mb,
+                              packing="toy-one-doc", seed=3)
+            c = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, retry_for_s=10))
+            got = list(c)
+            c.close()
+            ids = [i for b in got for i in b.sample_ids.tolist()]
+            assert ids == reference_ids(len(docs), world, rank, shuffle=True, seed=3, drop_last=False, epoch=0)
+            for b in got:
+                for row, i, length in zip(b.tokens.numpy(), b.sample_ids.tolist(), b.boundaries.lengths.tolist()):
+                    doc = [*docs[i].encode(), eos][:seq + 1]
+                    assert row.tolist() == doc + [eos] * (seq + 1 - len(doc)) and length == len(doc)
+            assert Cursor.decode(got[1].cursor, b"").fingerprint.startswith("toy-1doc-")
+            resumed = FeederClient(ClientConfig(targets=(srv.address,), spec=spec, cursor=got[1].cursor,
+                                                retry_for_s=10))
+            assert [b.sample_ids.tolist() for b in resumed] == [b.sample_ids.tolist() for b in got[2:]]
+            resumed.close()
+        spec = StreamSpec(job="toy-pack-1", rank=0, world_size=1, seq_len=seq, micro_batch=mb)
+        c = FeederClient(ClientConfig(targets=(srv.address,), retry_for_s=10, spec=spec))
+        concat = next(iter(c))
+        c.close()
+        spec = dataclasses.replace(spec, packing="toy-one-doc", continued=True)
+        with pytest.raises(FeederError, match="packing differs: the cursor is of concat samples, the request asks "
+                                              "for toy-one-doc"):
+            list(FeederClient(ClientConfig(targets=(srv.address,), spec=spec, cursor=concat.cursor, retry_for_s=2)))
+        with pytest.raises(FeederError, match="packing 'nope' is not one this feeder serves; it serves: best_fit, "
+                                              "concat, toy-one-doc") as e:
+            list(FeederClient(ClientConfig(targets=(srv.address,), retry_for_s=2, spec=StreamSpec(
+                job="toy-pack-nope", rank=0, world_size=1, seq_len=seq, micro_batch=mb, packing="nope"))))
+        assert e.value.code.name == "INVALID_ARGUMENT"
     finally:
         srv.stop()
 

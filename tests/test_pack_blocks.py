@@ -16,9 +16,9 @@ import pytest
 from feeder_bench.scale import megatron_corpus
 from feeder.core import layout
 from feeder.core.errors import Unavailable
-from feeder.sources import Documents, pack_blocks, packed, preparing
+from feeder.core.config import PackingConfig
+from feeder.sources import Context, Documents, pack_blocks, packed, preparing
 from feeder.sources.formats import Options, open_any
-from feeder.sources.pack_blocks import PackingConfig
 from feeder.sources.posix import PosixSource
 from tests import format_writers as W
 from tests.helpers import make_docs, prep_docs
@@ -29,10 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def cache(tmp_path):
-    """A cache directory of its own, and the packing settings put back afterwards."""
-    before = packed._config
+    """A cache directory of its own (and the process's tables of packings forgotten afterwards)."""
     yield tmp_path / "cache"
-    packed.configure(before)
     packed._tables.clear()
 
 
@@ -46,8 +44,8 @@ def source(prefix):
     return open_any(str(prefix), Options(vocab_size=257, eos_id=EOS), name="m")
 
 
-def sidecar(cache_dir: Path, src) -> dict[str, bytes]:
-    where = cache_dir / "packing" / packed.identity(src.fingerprint, SEQ)
+def sidecar(cache_dir: Path, src, block: int) -> dict[str, bytes]:
+    where = cache_dir / "packing" / packed.identity(src.fingerprint, SEQ, block)
     return {k: (where / f"{k}.npy").read_bytes() for k in ("ptr", "start", "length")}
 
 
@@ -101,13 +99,11 @@ def test_bins_follow_the_block_rule_and_one_block_is_the_whole_corpus_pass(corpu
     src = source(corpus)
     starts, end = src.doc_spans(0, src.n_tokens)
     whole = layout.best_fit(starts, end, SEQ + 1)
-    packed.configure(PackingConfig(block_tokens=src.n_tokens))
-    one = packed.packed(src, SEQ, str(cache)).packing
+    one = packed.packed(src, SEQ, Context(str(cache), packing=PackingConfig(block_tokens=src.n_tokens))).packing
     assert [(one.ptr == whole.ptr).all(), (one.start == whole.start).all(), (one.length == whole.length).all()] \
         == [True] * 3 and one.n_bins == whole.n_bins
     B = 997
-    packed.configure(PackingConfig(block_tokens=B, workers=3))
-    got = packed.packed(src, SEQ, str(cache))
+    got = packed.packed(src, SEQ, Context(str(cache), packing=PackingConfig(block_tokens=B, workers=3)))
     parts = []
     for b in range(-(-src.n_tokens // B)):
         inside = starts[(starts >= b * B) & (starts < (b + 1) * B)]
@@ -145,17 +141,17 @@ def test_blocks_pad_within_a_tenth_of_a_point_of_one_whole_corpus_pass():
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from feeder.sources import pack_blocks, packed
+    from feeder.core.config import PackingConfig
+    from feeder.sources import Context, pack_blocks, packed
     from feeder.sources.formats import Options, open_any
-    from feeder.sources.pack_blocks import PackingConfig
     slow = float(sys.argv[3])
     real = pack_blocks.pack_block
     def pack_block(*a, **k):
         time.sleep(slow)        # (a large block's time, so the other builder and the kill find it busy)
         return real(*a, **k)
     pack_blocks.pack_block = pack_block
-    packed.configure(PackingConfig(block_tokens=%d, workers=int(sys.argv[4])))
-    t = packed.packed(open_any(sys.argv[1], Options(vocab_size=257, eos_id=256), name="m"), %d, sys.argv[2])
+    ctx = Context(sys.argv[2], packing=PackingConfig(block_tokens=%d, workers=int(sys.argv[4])))
+    t = packed.packed(open_any(sys.argv[1], Options(vocab_size=257, eos_id=256), name="m"), %d, ctx)
     print("bins", t.n_samples, flush=True)
 """)
 
@@ -165,7 +161,6 @@ def test_the_bins_are_the_same_bytes_by_one_thread_two_threads_and_two_feeders_o
     one is SIGKILLed mid-build (its block's flock goes with it; the other builds what it left):
     the same three arrays, byte for byte, and nothing left beside the sidecar."""
     B = 701
-    packed.configure(PackingConfig(block_tokens=B))   # (the sidecar's name holds the block size)
     src = source(corpus)
     blocks = -(-src.n_tokens // B)
     assert blocks > 40
@@ -179,10 +174,10 @@ def test_the_bins_are_the_same_bytes_by_one_thread_two_threads_and_two_feeders_o
     for name, workers in (("one", 1), ("two", 2)):
         p = run(tmp_path / name, 0, workers)
         assert p.communicate(timeout=120)[0].startswith("bins"), name
-        got[name] = sidecar(tmp_path / name, src)
+        got[name] = sidecar(tmp_path / name, src, B)
     shared = tmp_path / "shared"
     a, b = run(shared, 0.03, 1), run(shared, 0.03, 1)
-    parts = shared / "packing" / f"{packed.identity(src.fingerprint, SEQ)}.blocks"
+    parts = shared / "packing" / f"{packed.identity(src.fingerprint, SEQ, B)}.blocks"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:   # both at work, a few blocks done
         if parts.is_dir() and sum(1 for e in parts.iterdir() if e.is_dir() and not e.name.startswith(".")) >= 8:
@@ -191,19 +186,19 @@ def test_the_bins_are_the_same_bytes_by_one_thread_two_threads_and_two_feeders_o
     a.kill()
     a.wait()
     assert b.communicate(timeout=120)[0].startswith("bins")
-    got["shared"] = sidecar(shared, src)
+    got["shared"] = sidecar(shared, src, B)
     assert got["one"] == got["two"] == got["shared"]
-    assert sorted(p.name for p in (shared / "packing").iterdir()) == [packed.identity(src.fingerprint, SEQ)]
+    assert sorted(p.name for p in (shared / "packing").iterdir()) == [packed.identity(src.fingerprint, SEQ, B)]
 
 
 def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_build_takes_up(
         corpus, cache, monkeypatch):
-    """SIGTERM (packed.stop) while blocks are packed: the build ends within a second with
+    """SIGTERM (the server's Context.stopping) while blocks are packed: the build ends within a second with
     UNAVAILABLE; what it leaves is whole blocks only, which a later build uses (one found torn
     is built again). Meanwhile the waiting ranks, `feeder status` and the metrics read its
     progress (preparing)."""
     src = source(corpus)
-    packed.configure(PackingConfig(block_tokens=503, workers=2))
+    ctx = Context(str(cache), packing=PackingConfig(block_tokens=503, workers=2))
     real = pack_blocks.pack_block
 
     def slow(*a, **k):
@@ -215,7 +210,7 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
 
     def build():
         try:
-            packed.packed(src, SEQ, str(cache))
+            packed.packed(src, SEQ, ctx)
         except Unavailable as e:
             out["error"] = str(e)
         out["at"] = time.monotonic()
@@ -228,10 +223,10 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
         time.sleep(0.01)
     assert "block" in seen[-1]["what"] and 0 < seen[-1]["done"] < 1
     asked = time.monotonic()
-    packed.stop()
+    ctx.stopping.set()
     t.join(5)
     assert not t.is_alive() and out["at"] - asked < 1.0 and "stopping" in out["error"]
-    where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ)
+    where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ, 503)
     parts = Path(f"{where}.blocks")
     left = [p for p in parts.iterdir() if p.is_dir()]
     assert not where.exists() and left and all(not p.name.startswith(".") for p in left)
@@ -241,14 +236,15 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
     torn.write_bytes(torn.read_bytes()[:128] + bytes(len(torn.read_bytes()) - 128))
     built = []
     monkeypatch.setattr(pack_blocks, "pack_block", lambda *a, **k: built.append(a[1]) or real(*a, **k))
-    table = packed.packed(src, SEQ, str(cache))
+    ctx = Context(str(cache), packing=ctx.packing)   # (a new server: not stopping)
+    table = packed.packed(src, SEQ, ctx)
     assert table.stats["blocks"] == len(built) + len(left) - 1 and not parts.exists()
     assert int(left[0].name) in built     # found by the join's check, built again
     assert not preparing.current()
-    again = sidecar(cache, src)
+    again = sidecar(cache, src, 503)
     packed._tables.clear()
-    packed.packed(src, SEQ, str(cache.parent / "clean"))
-    assert sidecar(cache.parent / "clean", src) == again
+    packed.packed(src, SEQ, Context(str(cache.parent / "clean"), packing=ctx.packing))
+    assert sidecar(cache.parent / "clean", src, 503) == again
 
 
 def _mkdir(p: Path) -> Path:
@@ -263,11 +259,10 @@ def test_a_server_stopping_ends_its_packing_build_within_a_second(corpus, cache,
     from feeder.service.server import ServerThread
     from feeder_client import FeederDataset
 
-    packed.configure(PackingConfig(block_tokens=53, workers=2))
     real = pack_blocks.pack_block
     monkeypatch.setattr(pack_blocks, "pack_block", lambda *a, **k: time.sleep(0.02) or real(*a, **k))
     srv = ServerThread(ServeConfig(sources=(("m", str(corpus)),), listen="127.0.0.1:0", vocab_size=257, eos_id=EOS,
-                                   cache_dir=str(cache)))
+                                   cache_dir=str(cache), packing=PackingConfig(block_tokens=53, workers=2)))
 
     def first_batch():
         try:

@@ -11,13 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from feeder.core.config import ServeConfig
+from feeder.core.config import PackingConfig, ServeConfig
 from feeder.service.server import ServerThread
+from feeder.sources import NO_CONTEXT
 from feeder_client import FeederDataset
 from tests import format_writers as W
 from tests.helpers import byte_stream, expected_ids, make_docs, prep_docs
 
 SEQ, SEED, EOS = 16, 7, 256
+BLOCK = PackingConfig().block_tokens   # (the default block size: the sidecars' names hold it)
 
 
 def ids_of(docs):
@@ -463,7 +465,7 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
 
     assert served("bf-side-0") == want
     src = next(t.source for t in pk._tables.values() if t.seq_len == BIN and t.source.name == "manifest")
-    where = pk.directory() / pk.identity(src.fingerprint, BIN)
+    where = pk.directory() / pk.identity(src.fingerprint, BIN, BLOCK)
 
     def zero_starts():
         a = np.load(where / "start.npy", mmap_mode="r+")
@@ -471,11 +473,11 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
         a.flush()
 
     def other_seq_len():
-        pk.packed(src, 8)
+        pk.packed(src, 8, NO_CONTEXT)
         import shutil
 
         shutil.rmtree(where)
-        shutil.copytree(pk.directory() / pk.identity(src.fingerprint, 8), where)
+        shutil.copytree(pk.directory() / pk.identity(src.fingerprint, 8, BLOCK), where)
 
     def truncate_ptr():
         p = where / "ptr.npy"
@@ -591,22 +593,22 @@ def test_review_a_packing_build_does_not_hold_up_other_packings_or_status(format
     started, release = threading.Event(), threading.Event()
     real = pk.build
 
-    def slow(source, seq_len, where):
+    def slow(source, seq_len, where, ctx):
         started.set()
         release.wait(20)
-        return real(source, seq_len, where)
+        return real(source, seq_len, where, ctx)
 
     monkeypatch.setattr(pk, "build", slow)
     import shutil
 
-    shutil.rmtree(pk.directory() / pk.identity(src.fingerprint, 40), ignore_errors=True)   # (an earlier run's)
+    shutil.rmtree(pk.directory() / pk.identity(src.fingerprint, 40, BLOCK), ignore_errors=True)   # (an earlier run's)
     pk._tables.pop((src.fingerprint, 40), None)
-    other = threading.Thread(target=pk.packed, args=(src, 40))   # another seq_len: built, slowly
+    other = threading.Thread(target=pk.packed, args=(src, 40, NO_CONTEXT))   # another seq_len: built, slowly
     other.start()
     try:
         assert started.wait(10)
         t0 = time.monotonic()
-        assert pk.packed(src, BIN).seq_len == BIN
+        assert pk.packed(src, BIN, NO_CONTEXT).seq_len == BIN
         assert fetch(feeder.address).packings
         assert len(packed_epoch(feeder.address, "bf-lock-1", 1)[0]) > 0
         assert time.monotonic() - t0 < 5

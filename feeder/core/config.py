@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from feeder.core.context import LAYOUTS, divisibility
 from feeder.core.errors import InvalidArgument
-from feeder.core.layout import PACKINGS
 from feeder.core import order
 
 try:
@@ -211,9 +210,12 @@ class StreamSpec:
         if self.permutation not in order.kinds():
             raise InvalidArgument(f"permutation must be torch or stateless (torch-legacy: torch before 2.7), "
                                   f"got {shown(self.permutation)}")
-        if self.packing not in PACKINGS:
-            raise InvalidArgument(f"packing must be concat or best_fit, got {shown(self.packing)}")
-        if self.packing == "best_fit" and not self.boundaries:   # a bin's documents are what it is for
+        # Which packings a feeder serves is its own (feeder.core.packing, registered there and by
+        # the layers that build them): a name it lacks is refused when it plans the stream.
+        if not isinstance(self.packing, str) or not 0 < len(self.packing) <= MAX_NAME or not self.packing.isprintable():
+            raise InvalidArgument(f"packing must be the name of a packing (concat, best_fit, or one the feeder "
+                                  f"registers), got {shown(self.packing)}")
+        if self.packing != "concat" and not self.boundaries:   # a packing's documents are what it is for
             object.__setattr__(self, "boundaries", True)
         if self.bad_records not in BAD_RECORD_POLICIES:
             raise InvalidArgument(f"bad_records must be skip or fail (or empty for the source's default), "
@@ -263,6 +265,27 @@ def named_sources(values: list[str]) -> dict:
         raise InvalidArgument(f"with several sources each needs a name: --source NAME=DIR|URL, got "
                               f"{shown(unnamed[0])}{why}")
     return {"sources": tuple((m.group(1), m.group(2)) for m in named)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackingConfig:
+    """How best-fit bins are built. `block_tokens` is part of the packing's identity (the bins
+    depend on it); `workers` is not (any number builds the same bytes)."""
+
+    # 2^30 tokens: ~10^6 web documents per block (some 15 MB of bins, ~0.3 s to pack), so a
+    # build's memory is a few blocks whatever the corpus, SIGTERM is heard within a block, and
+    # a block's padding is that of a whole-corpus pass to within 0.01 percentage point (docs/scale.md).
+    block_tokens: int = 1 << 30
+    workers: int = 0                  # threads packing blocks in this process; 0: one per core it may use
+
+    def __post_init__(self):
+        if self.block_tokens < 1:
+            raise InvalidArgument(f"block_tokens: got {self.block_tokens}, expected >= 1")
+        if self.workers < 0:
+            raise InvalidArgument(f"workers: got {self.workers}, expected >= 0 (0: one per core)")
+
+    def threads(self, n_blocks: int) -> int:
+        return max(1, min(n_blocks, self.workers or len(os.sched_getaffinity(0))))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +354,8 @@ class ServeConfig:
     # ($XDG_CACHE_HOME/feeder, else ~/.cache/feeder), snapshots where the Kafka URL's spool says.
     cache_dir: str = ""
     cache_max_gb: float = 64.0
+    # How best-fit bins are built (block size, threads): the defaults, but for tests and embeddings.
+    packing: PackingConfig = PackingConfig()
     # The background scrub (feeder.scrub): MB/s of verified, memory-mapped chunks re-hashed, so
     # a byte changed on disk after its chunk's first read is found and never served again. 0: off.
     scrub_mb_s: float = 16.0

@@ -27,7 +27,6 @@ try:
 except ImportError:  # no C compiler at install
     _best_fit = _pack = None
 
-PACKINGS = ("concat", "best_fit")
 # The packer's identity: a change to the packing rule changes every packed stream's fingerprint.
 # bfd/2: best-fit decreasing per block of documents (feeder.sources.pack_blocks), the bins of
 # block 0 first; a corpus of one block has bfd/1's bins.

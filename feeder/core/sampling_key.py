@@ -9,9 +9,9 @@ Pure (no I/O). Three things derive from it, so a field added here reaches all th
 """
 from __future__ import annotations
 
+from feeder.core import packing
 from feeder.core.config import StreamSpec
 from feeder.core.errors import FailedPrecondition
-from feeder.core.layout import PACKED_PREFIX
 
 # The epoch's order and its samples (with the dataset's fingerprint). `permutation` as the plan
 # agreed it (feeder.order.agreed): "" wherever the torch releases' orders are the same.
@@ -51,11 +51,6 @@ def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
                               f"{name}={theirs!r}. Every rank of a job must agree.{hint}")
 
 
-def packed_kind(fingerprint: str) -> str:
-    """The packing a stream's fingerprint says its samples have (feeder.sources.packed.identity)."""
-    return "best_fit" if fingerprint.startswith(PACKED_PREFIX) else "concat"
-
-
 def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple[str, ...] | None = None
                     ) -> FailedPrecondition | None:
     """Why `cursor` cannot resume the stream `spec` over data `fingerprint` (None: it fits).
@@ -71,9 +66,10 @@ def cursor_mismatch(cursor, spec: StreamSpec, fingerprint: str, *, fields: tuple
         theirs = getattr(cursor, name)
         ours = fingerprint if name == "fingerprint" else getattr(spec, name)
         if theirs != ours:
-            if name == "fingerprint" and packed_kind(theirs) != packed_kind(ours):   # not another replica's data
+            kinds = (packing.of_fingerprint(theirs), packing.of_fingerprint(ours)) if name == "fingerprint" else ()
+            if kinds and kinds[0] != kinds[1]:   # not another replica's data
                 return FailedPrecondition(f"cursor does not fit this stream: packing differs: the cursor is of "
-                                          f"{packed_kind(theirs)} samples, the request asks for {packed_kind(ours)}")
+                                          f"{kinds[0]} samples, the request asks for {kinds[1]}")
             if name == "permutation":   # "": torch's, where every release draws the same (feeder.order.agreed)
                 theirs, ours = theirs or "torch", ours or "torch"
             shown = "dataset fingerprint" if name == "fingerprint" else name

@@ -58,7 +58,7 @@ class Engine:
         self.orders = OrderStore(cfg.cache, max_bytes=int(cfg.cache_max_gb * 2**30))
         # What this server's plans build into and take from (no process-wide state: another
         # server in this process keeps its own).
-        self.context = Context(cache_dir=cfg.cache, orders=self.orders)
+        self.context = Context(cache_dir=cfg.cache, orders=self.orders, packing=cfg.packing)
         self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
 
     def source(self, name: str) -> Source:
@@ -250,7 +250,7 @@ class Engine:
         instead of waiting for the grace period to run out."""
         self.orders.stop()   # a build's loop ends within milliseconds: SIGTERM does not wait for it
         blending.stop()      # and so does a mixture's blending scan
-        packed.stop()        # and a packing's build, within a block (the blocks done stay for the next)
+        self.context.stopping.set()   # and this server's packing builds, within a block (the blocks done stay)
         for job in self.jobs.jobs.values():
             for stream in list(job.streams.values()):
                 stream.end(Unavailable(f"feeder in region {self.cfg.region} is shutting down; resume elsewhere"))

@@ -13,17 +13,20 @@ implements both protocols in full; tests/test_seam.py checks each against them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
-from feeder.core.config import StreamSpec
+from feeder.core import packing
+from feeder.core.config import PackingConfig, StreamSpec
 from feeder.core.cursor import Cursor
 from feeder.core.layout import Bounds
 from feeder.core.planning import Pending, PlanBase, PlannedRun, Start
 from feeder.core.rows import Rows
 from feeder.sources import kafka_positions  # noqa: F401  (registers Kafka's cursor positions)
+from feeder.sources import packed  # noqa: F401  (registers the best_fit packing)
 
 
 @runtime_checkable
@@ -64,6 +67,9 @@ class Context:
 
     cache_dir: str = ""          # best-fit sidecars under <cache_dir>/packing ("": the user's cache)
     orders: object = None        # the order store (get, prepare) of large torch orders; None: drawn in memory
+    packing: PackingConfig = PackingConfig()   # how best-fit bins are built (block size, threads)
+    # Set when the server stops (SIGTERM): its builds (a packing's blocks) end within a block.
+    stopping: threading.Event = field(default_factory=threading.Event, compare=False)
 
 
 NO_CONTEXT = Context()
@@ -146,5 +152,29 @@ class Documents(Protocol):
         and where the last of them ends (the next document's start, or n_tokens)."""
 
 
-__all__ = ["ChunkTable", "Context", "Documents", "NO_CONTEXT", "PerJob", "Plan", "PlanBase", "Source", "Pending", "PlannedRun", "Start",
-           "Rows"]
+@runtime_checkable
+class PackedSamples(Protocol):
+    """What a packing kind's wrap (feeder.core.packing) returns over a source: the table a plan
+    reads the stream's samples from. Sample i is addressed as concat's window i, rows
+    [i·seq_len, i·seq_len + seq_len + 1), so dealing, cursors and resume are one code path."""
+
+    n_samples: int
+    fingerprint: str     # the cursors': begins with the kind's prefix
+    dtype: np.dtype
+
+    def locate(self, starts: np.ndarray, n: int) -> Rows | np.ndarray:
+        """The samples whose rows start at `starts` (multiples of seq_len), n = seq_len + 1 tokens each."""
+
+    def boundaries(self, starts: np.ndarray, n: int) -> Bounds:
+        """Where their documents start, and where their padding begins."""
+
+
+def packed_samples(source, spec: StreamSpec, ctx: Context) -> PackedSamples | None:
+    """`source`'s samples under the stream's packing: the kind's table over it, or None for
+    concat (the source's own windows). InvalidArgument for a packing this feeder lacks."""
+    kind = packing.get(spec.packing)
+    return kind.wrap(source, spec.seq_len, ctx) if kind.wrap is not None else None
+
+
+__all__ = ["ChunkTable", "Context", "Documents", "NO_CONTEXT", "PackedSamples", "PerJob", "Plan", "PlanBase", "Source",
+           "Pending", "PlannedRun", "Start", "Rows", "packed_samples"]

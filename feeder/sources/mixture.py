@@ -23,7 +23,7 @@ from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, WrongRepl
 from feeder.core.planning import PENDING, PlanBase, PlannedRun, Start, StreamPlan
 from feeder.core.rows import Rows
 from feeder.core.layout import Bounds
-from feeder.sources import NO_CONTEXT, ChunkTable, Context, PerJob
+from feeder.sources import NO_CONTEXT, ChunkTable, Context, PerJob, packed_samples
 from feeder.sources.posix import locate_bounds, locate_rows
 
 
@@ -166,25 +166,21 @@ class MixtureParts:
         # that only says where rows lie (the Source seam's least) is asked source by source.
         self.joined = Joined(self.names, self.parts) if all(isinstance(p, ChunkTable) for p in self.parts) else None
 
-    def packed(self, seq_len: int, cache_dir: str = "") -> list:
-        """Each source's best-fit bins at seq_len (feeder.sources.packed)."""
-        from feeder.sources.packed import packed
+    def tables(self, spec: StreamSpec, ctx: Context = NO_CONTEXT) -> list | None:
+        """Each source's samples under the stream's packing (feeder.sources.packed_samples), or
+        None for concat (the sources' own windows)."""
+        tables = [packed_samples(p, spec, ctx) for p in self.parts]
+        return None if tables[0] is None else tables
 
-        return [packed(p, seq_len, cache_dir) for p in self.parts]
-
-    def sizes(self, seq_len: int, packing: str = "concat", cache_dir: str = "") -> tuple[int, ...]:
-        """Each source's samples at seq_len; a source too small for one is refused."""
-        sizes = tuple(t.n_samples for t in self.packed(seq_len, cache_dir)) if packing == "best_fit" else \
+    def sizes(self, seq_len: int, tables: list | None = None) -> tuple[int, ...]:
+        """Each source's samples at seq_len (in `tables`, a packing's); a source too small for one is refused."""
+        sizes = tuple(t.n_samples for t in tables) if tables is not None else \
             tuple(sampler.n_samples(p.n_tokens, seq_len) for p in self.parts)
         for name, n, p in zip(self.names, sizes, self.parts):
             if n == 0:
                 raise FailedPrecondition(f"mixture source {name!r} has {p.n_tokens} tokens, too few for one sample "
                                          f"of seq_len + 1 = {seq_len + 1} tokens")
         return sizes
-
-    def epoch_samples(self, spec: StreamSpec, cache_dir: str = "") -> int:
-        """The request's epoch_samples, or the sources' samples summed."""
-        return spec.epoch_samples or sum(self.sizes(spec.seq_len, spec.packing, cache_dir))
 
     def plan(self, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT) -> "MixturePlan":
         if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
@@ -200,8 +196,9 @@ class MixturePlan(PlanBase):
 
     def __init__(self, src: MixtureParts, spec: StreamSpec, cursor: Cursor | None, ctx: Context = NO_CONTEXT):
         self.orders = ctx.orders     # where large torch orders come from (the epoch's and the sources')
-        self.sizes = src.sizes(spec.seq_len, spec.packing, ctx.cache_dir)
-        n = src.epoch_samples(spec, ctx.cache_dir)
+        packed = src.tables(spec, ctx)
+        self.sizes = src.sizes(spec.seq_len, packed)
+        n = spec.epoch_samples or sum(self.sizes)   # (the request's, or the sources' samples summed)
         spec = dataclasses.replace(spec, epoch_samples=n)
         self.src, self.spec = src, spec
         self.n, self.fingerprint, self.dtype = n, src.fingerprint, src.dtype
@@ -210,8 +207,8 @@ class MixturePlan(PlanBase):
         # samples never resumes it; the cursor still names each source by its key (a bounded
         # topic's by its epoch's ranges: what rebuilds that epoch on any feeder).
         self.tables = src.parts
-        if spec.packing == "best_fit":
-            self.tables = src.packed(spec.seq_len, ctx.cache_dir)
+        if packed is not None:
+            self.tables = packed
             self.fingerprint = "mix-" + hashlib.sha256(
                 "\0".join(f"{n}\0{t.fingerprint}" for n, t in zip(src.names, self.tables)).encode()).hexdigest()[:32]
         # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run

@@ -31,11 +31,11 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from feeder.core.config import PackingConfig
 from feeder.core.layout import PACKER, best_fit, narrow
 
 try:
@@ -48,27 +48,6 @@ log = logging.getLogger("feeder.packing")
 ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its digest hashes them
 
 
-@dataclass(frozen=True, kw_only=True)
-class PackingConfig:
-    """How best-fit bins are built. `block_tokens` is part of the packing's identity (the bins
-    depend on it); `workers` is not (any number builds the same bytes)."""
-
-    # 2^30 tokens: ~10^6 web documents per block (some 15 MB of bins, ~0.3 s to pack), so a
-    # build's memory is a few blocks whatever the corpus, SIGTERM is heard within a block, and
-    # a block's padding is that of a whole-corpus pass to within 0.01 percentage point (docs/scale.md).
-    block_tokens: int = 1 << 30
-    workers: int = 0                  # threads packing blocks in this process; 0: one per core it may use
-
-    def __post_init__(self):
-        if self.block_tokens < 1:
-            raise ValueError(f"block_tokens: got {self.block_tokens}, expected >= 1")
-        if self.workers < 0:
-            raise ValueError(f"workers: got {self.workers}, expected >= 0 (0: one per core)")
-
-    def threads(self, n_blocks: int) -> int:
-        return max(1, min(n_blocks, self.workers or len(os.sched_getaffinity(0))))
-
-
 class Stopped(Exception):
     """The build was stopped (SIGTERM) between two blocks."""
 
@@ -79,18 +58,6 @@ class _Torn(Exception):
     def __init__(self, block: int, why: str):
         super().__init__(f"block {block}: {why}")
         self.block, self.why = block, why
-
-
-_active_lock = threading.Lock()
-_active: set["_Build"] = set()
-
-
-def stop() -> None:
-    """End every build under way in this process within a block (SIGTERM); a later server in
-    this process builds anew."""
-    with _active_lock:
-        for b in _active:
-            b.stopped.set()
 
 
 def n_blocks(n_tokens: int, block_tokens: int) -> int:
@@ -119,7 +86,8 @@ def pack_block(source, b: int, seq_len: int, block_tokens: int) -> tuple[dict, d
 class _Build:
     """One process's part in building one sidecar."""
 
-    def __init__(self, source, seq_len: int, where: Path, cfg: PackingConfig, note, publish):
+    def __init__(self, source, seq_len: int, where: Path, cfg: PackingConfig, note, publish,
+                 stopping: threading.Event):
         self.source, self.seq_len, self.where, self.cfg, self.note = source, seq_len, where, cfg, note
         self.publish = publish
         self.parts = where.parent / f"{where.name}.blocks"
@@ -129,7 +97,7 @@ class _Build:
         self.elsewhere: list[int] = []        # blocks another builder held when this one came to them
         self.built_here = 0
         self.errors: list[BaseException] = []
-        self.stopped = threading.Event()
+        self.stopped = stopping        # set by the server's shutdown (SIGTERM): its Context's
         self.t0 = time.perf_counter()
 
     def block_dir(self, b: int) -> Path:
@@ -322,22 +290,18 @@ def _check(arrays: dict) -> list[int]:
     return [_crc(np.ascontiguousarray(arrays[k]).view(np.uint8).data) for k in ARRAYS]
 
 
-def build(source, seq_len: int, where: Path, cfg: PackingConfig, note, publish) -> dict:
+def build(source, seq_len: int, where: Path, cfg: PackingConfig, note, publish,
+          stopping: threading.Event) -> dict:
     """Take part in building the sidecar `where` of source's bins at seq_len: blocks on
     cfg.threads() threads, with every other builder of it sharing the directory; returns when
-    the sidecar is in place (raises Stopped when stop() is called meanwhile). `note(text, done)`
-    hears the progress; `publish(tmp, where, stats)` (feeder.sources.packed, which owns the sidecar's
-    figures and how a cache entry is put in place) writes the figures into the directory `tmp`
-    that holds the joined arrays and moves it to `where`, whole."""
+    the sidecar is in place (raises Stopped, within a block, once `stopping` is set: the server
+    that asked is shutting down). `note(text, done)` hears the progress; `publish(tmp, where,
+    stats)` (feeder.sources.packed, which owns the sidecar's figures and how a cache entry is put
+    in place) writes the figures into the directory `tmp` that holds the joined arrays and moves
+    it to `where`, whole."""
     t0 = time.perf_counter()
-    b = _Build(source, seq_len, where, cfg, note, publish)
-    with _active_lock:
-        _active.add(b)
-    try:
-        b.run()
-    finally:
-        with _active_lock:
-            _active.discard(b)
+    b = _Build(source, seq_len, where, cfg, note, publish, stopping)
+    b.run()
     log.info("packing %s: %d of %d blocks built here in %.1f s", where.name, b.built_here, b.n,
              time.perf_counter() - t0)
     return {"built_here": b.built_here, "build_s": time.perf_counter() - t0, "workers": cfg.threads(b.n)}

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.sources import cache, pack_blocks, preparing
-from feeder.sources.pack_blocks import PackingConfig
+from feeder.core import packing
 from feeder.core.errors import FailedPrecondition, Unavailable
 from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing
+from feeder.sources import cache, pack_blocks, preparing
 from feeder.core.rows import Rows
 
 try:
@@ -39,21 +39,9 @@ except ImportError:  # no C compiler at install
 
 log = logging.getLogger("feeder.packing")
 
-_config = PackingConfig()
 _lock = threading.Lock()          # _tables and _building only: never held across a build
 _tables: dict[tuple[str, int, int], "PackedTable"] = {}
 _building: dict[tuple[str, int, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
-
-
-def configure(cfg: PackingConfig) -> None:
-    """How bins are built from now on (a server's flags; tests' small blocks)."""
-    global _config
-    _config = cfg
-
-
-def stop() -> None:
-    """SIGTERM: every build in this process ends within a block, leaving only whole blocks."""
-    pack_blocks.stop()
 
 
 def directory(cache_dir: str = "") -> Path:
@@ -65,11 +53,11 @@ def directory(cache_dir: str = "") -> Path:
     return d
 
 
-def identity(fingerprint: str, seq_len: int) -> str:
+def identity(fingerprint: str, seq_len: int, block_tokens: int) -> str:
     """The fingerprint of a packed stream: the data's, the bin size and the packer's rule (its
     block size among it: blocks are packed apart)."""
     return PACKED_PREFIX + hashlib.sha256(
-        f"{fingerprint}\0{seq_len}\0{PACKER}\0{_config.block_tokens}".encode()).hexdigest()[:40]
+        f"{fingerprint}\0{seq_len}\0{PACKER}\0{block_tokens}".encode()).hexdigest()[:40]
 
 
 class PackedTable:
@@ -85,7 +73,8 @@ class PackedTable:
         # whose bins differ (a flat file rewritten in place keeps its fingerprint) refuse each
         # other's cursors instead of resuming another packing.
         self.fingerprint = PACKED_PREFIX + hashlib.sha256(
-            f"{identity(source.fingerprint, seq_len)}\0{stats['digest']}".encode()).hexdigest()[:40]
+            f"{identity(source.fingerprint, seq_len, stats['block_tokens'])}\0{stats['digest']}".encode()
+        ).hexdigest()[:40]
 
     def _bins(self, starts: np.ndarray, n: int) -> np.ndarray:
         if n != self.seq_len + 1:
@@ -118,10 +107,12 @@ class PackedTable:
         return self.packing.bounds(self._bins(starts, n))
 
 
-def packed(source, seq_len: int, cache_dir: str = "") -> PackedTable:
-    """The best-fit bins of `source` at seq_len: mapped from the sidecar, built first if there
-    is none (once per process; the build is noted for waiting ranks and `feeder status`)."""
-    key = (source.fingerprint, seq_len, _config.block_tokens)   # (the block size: tests change it)
+def packed(source, seq_len: int, ctx) -> PackedTable:
+    """The best-fit bins of `source` (feeder.sources.Documents) at seq_len: mapped from the
+    sidecar in the server's cache directory (`ctx`: a feeder.sources.Context), built first if
+    there is none (once per process; the build is noted for waiting ranks and `feeder status`)."""
+    cfg = ctx.packing
+    key = (source.fingerprint, seq_len, cfg.block_tokens)   # (the block size: tests change it)
     with _lock:
         got = _tables.get(key)
         if got is not None and got.source is source:
@@ -133,15 +124,15 @@ def packed(source, seq_len: int, cache_dir: str = "") -> PackedTable:
             got = _tables.get(key)
             if got is not None and got.source is source:
                 return got
-        where = directory(cache_dir) / identity(source.fingerprint, seq_len)
+        where = directory(ctx.cache_dir) / identity(source.fingerprint, seq_len, cfg.block_tokens)
         # Processes sharing the cache may find a damaged sidecar together: each removes only the
         # one it checked (cache.remove_damaged), and one that finds the sidecar gone again (another
         # removed its copy) builds or reads again, a few times.
         for _ in range(3):
-            loaded = _load(where, source, seq_len) if (where / "stats.json").is_file() else None
+            loaded = _load(where, source, seq_len, cfg) if (where / "stats.json").is_file() else None
             if loaded is None:
-                build(source, seq_len, where)
-                loaded = _load(where, source, seq_len)
+                build(source, seq_len, where, ctx)
+                loaded = _load(where, source, seq_len, cfg)
             if loaded is not None:
                 break
         else:
@@ -189,7 +180,7 @@ def _figures_digest(stats: dict) -> str:
                                      sort_keys=True).encode()).hexdigest()
 
 
-def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
+def _load(where: Path, source, seq_len: int, cfg: pack_blocks.PackingConfig) -> tuple[dict, dict] | None:
     """The sidecar's figures and arrays, checked against what it must be (its own digest, the
     source, seq_len, the packer, sizes that agree); None, with the sidecar removed, when it is
     not (damaged, truncated, another seq_len's copied in): it is then built again."""
@@ -200,7 +191,7 @@ def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
         n_bins, n_pieces = int(stats["bins"]), len(arrays["start"])
         wrong = [what for what, bad in (
             ("seq_len", stats.get("seq_len") != seq_len), ("packer", stats.get("packer") != PACKER),
-            ("block size", stats.get("block_tokens") != _config.block_tokens),
+            ("block size", stats.get("block_tokens") != cfg.block_tokens),
             ("source fingerprint", stats.get("fingerprint") != source.fingerprint),
             ("bin pointers", len(arrays["ptr"]) != n_bins + 1 or int(arrays["ptr"][-1]) != n_pieces),
             ("piece lengths", len(arrays["length"]) != n_pieces),
@@ -215,15 +206,16 @@ def _load(where: Path, source, seq_len: int) -> tuple[dict, dict] | None:
     return None
 
 
-def build(source, seq_len: int, where: Path) -> dict:
+def build(source, seq_len: int, where: Path, ctx) -> dict:
     """Build the sidecar with every other builder sharing the directory (feeder.sources.pack_blocks:
     blocks on every core, one builder per block), noting the progress for waiting ranks,
     `feeder status` and the metrics."""
     name = f"packing {getattr(source, 'name', '?')} for seq_len {seq_len}"
     preparing.note(name, f"{name}: starting", 0.0)
     try:
-        ran = pack_blocks.build(source, seq_len, where, _config,
-                                lambda what, done: preparing.note(name, f"{name}: {what}", done), _publish)
+        ran = pack_blocks.build(source, seq_len, where, ctx.packing,
+                                lambda what, done: preparing.note(name, f"{name}: {what}", done), _publish,
+                                ctx.stopping)
     except pack_blocks.Stopped:
         raise Unavailable(f"the feeder is stopping: {name} was stopped (resume elsewhere)") from None
     finally:
@@ -265,3 +257,7 @@ def built() -> list[dict]:
     """The figures of the packings this process serves (for `feeder status`)."""
     with _lock:
         return [{"dataset": getattr(t.source, "name", ""), **t.stats} for t in _tables.values()]
+
+
+# The kind a stream names (packing="best_fit"); its prefix begins every packed stream's fingerprint.
+packing.register(packing.PackingKind("best_fit", PACKED_PREFIX, wrap=packed))

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from feeder.sources import NO_CONTEXT, Context
+from feeder.sources import NO_CONTEXT, Context, packed_samples
 from feeder.sources import manifest as mf
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor, Mixture
@@ -88,10 +88,8 @@ class PosixSource:
                 f"a Kafka position ({type(cursor.src).__name__})"
             raise FailedPrecondition(f"cursor does not fit this stream: it holds {what}; this stream reads "
                                      f"dataset {self.name!r} from files")
-        if spec.packing == "best_fit":
-            from feeder.sources.packed import packed
-
-            table = packed(self, spec.seq_len, ctx.cache_dir)
+        table = packed_samples(self, spec, ctx)   # (None: concat, this source's own windows)
+        if table is not None:
             return StreamPlan(spec, n_tokens=self.n_tokens, n_samples=table.n_samples, fingerprint=table.fingerprint,
                               cursor=cursor, data=table, orders=ctx.orders)
         return StreamPlan(spec, n_tokens=self.n_tokens, fingerprint=self.fingerprint, cursor=cursor, data=self,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.sources import NO_CONTEXT, Context
+from feeder.sources import NO_CONTEXT, Context, packed_samples
 from feeder.sources import manifest as mf
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor
@@ -126,11 +126,9 @@ class KafkaSource:
             pinned = ""
         ranges, snap = self.epoch(spec, pinned)
         data, n_samples = snap, 0
-        if spec.packing == "best_fit":   # a record is a document: the epoch's records, packed
-            from feeder.sources.packed import packed
-
-            data = packed(snap, spec.seq_len, ctx.cache_dir)
-            n_samples = data.n_samples
+        table = packed_samples(snap, spec, ctx)   # a record is a document: the epoch's records, packed
+        if table is not None:
+            data, n_samples = table, table.n_samples
         if cursor is not None and cursor.fingerprint != data.fingerprint:
             raise WrongReplica(f"cursor does not fit this stream: dataset fingerprint differs: the cursor has "
                                f"{cursor.fingerprint!r}, the Kafka epoch {ranges} reads as {data.fingerprint!r}")

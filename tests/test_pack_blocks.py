@@ -284,3 +284,50 @@ def test_a_server_stopping_ends_its_packing_build_within_a_second(corpus, cache,
     parts = next((cache / "packing").glob("*.blocks"))
     assert not any(p.name.startswith(".") for p in parts.iterdir() if p.is_dir())
     assert not [p for p in (cache / "packing").iterdir() if not p.name.endswith(".blocks")]
+
+
+def test_a_sidecar_is_checked_a_segment_at_a_time_on_first_use_and_a_damaged_one_is_never_served(
+        corpus, cache, monkeypatch):
+    """Issue 35's second feeder: opening a built sidecar reads its figures, not its arrays (16 GB
+    at 10^9 documents); each segment of the arrays is checked (crc32c) the first time a bin reads
+    it. A flipped byte in a segment no bin has read yet is found when one does: nothing of it
+    served, the sidecar counted, removed and built again, the same bytes."""
+    from feeder.sources import cache as entries
+
+    monkeypatch.setattr(pack_blocks, "SEGMENT", 64)   # (many segments at this size)
+    src = source(corpus)
+    ctx = Context(str(cache), packing=PackingConfig(block_tokens=701))
+    built = packed.packed(src, SEQ, ctx)
+    want = built.locate(np.arange(built.n_samples) * SEQ, SEQ + 1).gather(src.dtype)
+    sound = sidecar(cache, src, 701)
+    packed._tables.clear()   # (another feeder on the cache)
+    where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ, 701)
+    table = packed.packed(src, SEQ, ctx)
+    check = table.first_use
+    assert check is not None and not any(ok.any() for ok in check.ok.values())   # nothing read at open
+    assert len(check.ok["start"]) > 20
+    got = table.locate(np.array([3, 4]) * SEQ, SEQ + 1).gather(src.dtype)
+    assert np.array_equal(got, want[[3, 4]])
+    assert 0 < sum(int(ok.sum()) for ok in check.ok.values()) <= 6                # a bin's segments, no more
+
+    # a byte flipped in the piece starts of a segment no bin has read
+    seg = len(check.ok["start"]) - 2
+    victim = int(np.searchsorted(np.asarray(table.packing.ptr), seg * 64 + 1, side="right")) - 1
+    header = len((where / "start.npy").read_bytes()) - table.packing.start.nbytes
+    with open(where / "start.npy", "r+b") as f:
+        f.seek(header + (seg * 64 + 1) * table.packing.start.itemsize)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    packed._tables.clear()
+    table = packed.packed(src, SEQ, ctx)                                  # opens: the figures are sound
+    assert np.array_equal(table.locate(np.array([0, 1]) * SEQ, SEQ + 1).gather(src.dtype), want[[0, 1]])
+    before = entries.damaged_counts()["packing"]
+    with pytest.raises(Unavailable, match="found damaged before it was served"):
+        table.locate(np.array([victim]) * SEQ, SEQ + 1)
+    with pytest.raises(Unavailable):                                      # (and stays refused)
+        table.boundaries(np.array([victim]) * SEQ, SEQ + 1)
+    assert entries.damaged_counts()["packing"] == before + 1 and not where.exists()
+    again = packed.packed(src, SEQ, ctx)                                  # the next plan builds it again
+    assert again is not table and sidecar(cache, src, 701) == sound
+    assert np.array_equal(again.locate(np.array([victim]) * SEQ, SEQ + 1).gather(src.dtype), want[[victim]])

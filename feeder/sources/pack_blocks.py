@@ -39,13 +39,18 @@ from feeder.core.config import PackingConfig
 from feeder.core.layout import PACKER, best_fit, narrow
 
 try:
-    from feeder._native import crc32c as _crc   # ~10 GB/s, without the GIL
+    from feeder._native import crc32c as crc   # ~10 GB/s, without the GIL
 except ImportError:  # no C compiler at install
-    from zlib import crc32 as _crc
+    from zlib import crc32 as crc
 
 log = logging.getLogger("feeder.packing")
 
 ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its digest hashes them
+# Each array's elements in segments of this many, each with its crc32c in the sidecar's figures:
+# what a feeder verifies on first use of a bin (feeder.sources.packed), ~2 MB of piece starts, so
+# a first batch reads and checks a few MB whatever the corpus (at 10^9 documents the arrays are
+# ~16 GB: hashing them whole at open took 23 s).
+SEGMENT = 1 << 18
 
 
 class Stopped(Exception):
@@ -234,7 +239,7 @@ class _Build:
         except (OSError, ValueError) as e:
             raise _Torn(b, f"{type(e).__name__}: {e}") from None
         want = figures["bins"] + 1 if k == "ptr" else figures["pieces"]
-        if len(a) != want or _crc(np.ascontiguousarray(a).view(np.uint8).data) != figures["check"][ARRAYS.index(k)]:
+        if len(a) != want or crc(np.ascontiguousarray(a).view(np.uint8).data) != figures["check"][ARRAYS.index(k)]:
             raise _Torn(b, f"its {k} does not match its check")
         return a
 
@@ -248,6 +253,12 @@ class _Build:
         # The join is the part of a build that does not divide among cores: each part is hashed on
         # a thread of its own while it is written (both without the GIL), the next part is read
         # meanwhile.
+        segments = {k: _Segments(dtypes[k].itemsize) for k in ARRAYS}
+
+        def hash_part(k: str, data: memoryview) -> None:
+            h.update(data)
+            segments[k].feed(data)
+
         with ThreadPoolExecutor(1, thread_name_prefix="pack-hash") as hasher:
             hashed = hasher.submit(int)
             for k in ARRAYS:
@@ -264,12 +275,12 @@ class _Build:
                         else:
                             out = np.ascontiguousarray(out, dtype=dtypes[k])
                         hashed.result()
-                        hashed = hasher.submit(h.update, out.view(np.uint8).data)
+                        hashed = hasher.submit(hash_part, k, out.view(np.uint8).data)
                         f.write(out.view(np.uint8).data)
                     if k == "ptr":
                         last = np.array([total_pieces], dtype=dtypes[k])
                         hashed.result()
-                        hashed = hasher.submit(h.update, last.view(np.uint8).data)
+                        hashed = hasher.submit(hash_part, k, last.view(np.uint8).data)
                         f.write(last.view(np.uint8).data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -283,11 +294,39 @@ class _Build:
                 "read_s": sum(f["read_s"] for f in figures), "cpu_pack_s": sum(f["pack_s"] for f in figures),
                 # the joiner's own: from its start to the sidecar written (with others' blocks, if any)
                 "build_s": time.perf_counter() - self.t0, "workers": self.cfg.threads(self.n),
-                "digest": h.hexdigest()}
+                "digest": h.hexdigest(), "segment": SEGMENT,
+                "segment_checks": {k: segments[k].finish() for k in ARRAYS}}
+
+
+class _Segments:
+    """The crc32c of each SEGMENT elements of an array written in parts of any size."""
+
+    def __init__(self, itemsize: int):
+        self.size, self.carry, self.crcs = SEGMENT * itemsize, bytearray(), []
+
+    def feed(self, data: memoryview) -> None:
+        data = memoryview(data).cast("B")
+        if self.carry:
+            take = min(self.size - len(self.carry), len(data))
+            self.carry += data[:take]
+            data = data[take:]
+            if len(self.carry) == self.size:
+                self.crcs.append(crc(self.carry))
+                self.carry = bytearray()
+        while len(data) >= self.size:
+            self.crcs.append(crc(data[:self.size]))
+            data = data[self.size:]
+        self.carry += data
+
+    def finish(self) -> list[int]:
+        if self.carry:
+            self.crcs.append(crc(self.carry))
+            self.carry = bytearray()
+        return self.crcs
 
 
 def _check(arrays: dict) -> list[int]:
-    return [_crc(np.ascontiguousarray(arrays[k]).view(np.uint8).data) for k in ARRAYS]
+    return [crc(np.ascontiguousarray(arrays[k]).view(np.uint8).data) for k in ARRAYS]
 
 
 def build(source, seq_len: int, where: Path, cfg: PackingConfig, note, publish,

@@ -28,7 +28,8 @@ import numpy as np
 
 from feeder.core import packing
 from feeder.core.errors import FailedPrecondition, Unavailable
-from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing
+from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, ranges
+from feeder.core.config import PackingConfig
 from feeder.sources import cache, pack_blocks, preparing
 from feeder.core.rows import Rows
 
@@ -36,6 +37,7 @@ try:
     from feeder._native import pieces as _pieces   # a bin's documents, one memcpy each, without the GIL
 except ImportError:  # no C compiler at install
     _pieces = None
+from feeder.sources.pack_blocks import crc as _crc   # (the builder's: the checks were written with it)
 
 log = logging.getLogger("feeder.packing")
 
@@ -64,8 +66,9 @@ class PackedTable:
     """Bins of a source (a chunk table: `read`, `doc_starts`, `dtype`, `eos_id`) at seq_len;
     what a StreamPlan reads its samples from (`locate`, `boundaries`, `dtype`)."""
 
-    def __init__(self, source, seq_len: int, packing: Packing, stats: dict):
+    def __init__(self, source, seq_len: int, packing: Packing, stats: dict, first_use: "_FirstUse | None" = None):
         self.source, self.seq_len, self.packing, self.stats = source, seq_len, packing, stats
+        self.first_use = first_use   # the arrays' segments, checked as bins first read them
         self.dtype, self.eos_id = source.dtype, source.eos_id
         self.n_samples = packing.n_bins
         self.n_tokens = source.n_tokens
@@ -79,7 +82,10 @@ class PackedTable:
     def _bins(self, starts: np.ndarray, n: int) -> np.ndarray:
         if n != self.seq_len + 1:
             raise ValueError(f"a packed table of seq_len {self.seq_len} is read in samples of {self.seq_len + 1}")
-        return np.asarray(starts, dtype=np.int64) // self.seq_len
+        bins = np.asarray(starts, dtype=np.int64) // self.seq_len
+        if self.first_use is not None:   # (every read of the arrays passes here)
+            self.first_use.verify(self, bins)
+        return bins
 
     def locate(self, starts: np.ndarray, n: int) -> Rows:
         """The bins whose rows a plan addresses as [i·seq_len, i·seq_len + n): their documents
@@ -140,7 +146,8 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
                               "not read back as it was written (see the feeder's log)", elsewhere=True)
         if loaded[0]["bins"] == 0:
             raise FailedPrecondition(f"dataset {getattr(source, 'name', '?')} has no tokens to pack")
-        table = PackedTable(source, seq_len, Packing(capacity=seq_len + 1, **loaded[1]), loaded[0])
+        stats, arrays, first_use = loaded
+        table = PackedTable(source, seq_len, Packing(capacity=seq_len + 1, **arrays), stats, first_use)
         with _lock:
             _tables[key] = table
         return table
@@ -180,30 +187,93 @@ def _figures_digest(stats: dict) -> str:
                                      sort_keys=True).encode()).hexdigest()
 
 
-def _load(where: Path, source, seq_len: int, cfg: pack_blocks.PackingConfig) -> tuple[dict, dict] | None:
-    """The sidecar's figures and arrays, checked against what it must be (its own digest, the
-    source, seq_len, the packer, sizes that agree); None, with the sidecar removed, when it is
-    not (damaged, truncated, another seq_len's copied in): it is then built again."""
+def _load(where: Path, source, seq_len: int, cfg: PackingConfig) -> tuple[dict, dict, "_FirstUse | None"] | None:
+    """The sidecar's figures and arrays, checked against what it must be (its figures' digest,
+    the source, seq_len, the packer, sizes that agree), and the check of the arrays' segments on
+    their first use (or, for a sidecar written before segments had checks, the arrays' digest
+    now, whole); None, with the sidecar removed, when it is not (damaged, truncated, another
+    seq_len's copied in): it is then built again."""
     seen = cache.identity(where)   # (before it is read: only this one is removed if it fails)
     try:
         stats = json.loads((where / "stats.json").read_text())
         arrays = {k: np.load(where / f"{k}.npy", mmap_mode="r") for k in _ARRAYS}
         n_bins, n_pieces = int(stats["bins"]), len(arrays["start"])
+        checks = stats.get("segment_checks")
         wrong = [what for what, bad in (
+            ("figures", stats.get("figures_sha256") != _figures_digest(stats)),
             ("seq_len", stats.get("seq_len") != seq_len), ("packer", stats.get("packer") != PACKER),
             ("block size", stats.get("block_tokens") != cfg.block_tokens),
             ("source fingerprint", stats.get("fingerprint") != source.fingerprint),
             ("bin pointers", len(arrays["ptr"]) != n_bins + 1 or int(arrays["ptr"][-1]) != n_pieces),
             ("piece lengths", len(arrays["length"]) != n_pieces),
-            ("digest", stats.get("digest") != _digest(arrays)),
-            ("figures", stats.get("figures_sha256") != _figures_digest(stats))) if bad]
+            ("segment checks", checks is not None and not _FirstUse.fits(checks, stats.get("segment"), arrays)),
+            ("digest", checks is None and stats.get("digest") != _digest(arrays))) if bad]
         if not wrong:
-            return stats, arrays
+            first_use = None
+            if checks is not None:
+                stats = {k: v for k, v in stats.items() if k != "segment_checks"}
+                first_use = _FirstUse(where, seen, int(stats["segment"]), checks, arrays)
+            return stats, arrays, first_use
         why = "its " + ", ".join(wrong) + " do not match"
     except (OSError, ValueError, KeyError, TypeError) as e:
         why = f"{type(e).__name__}: {e}"
     cache.remove_damaged(where, seen, "packing", f"sidecar {where}", why)
     return None
+
+
+class _FirstUse:
+    """The check of a sidecar's arrays, a segment (pack_blocks.SEGMENT elements) at a time, the
+    first time a bin reads it: the bin pointers' segments first, then those of the pieces they
+    point at. Every read of the arrays goes through PackedTable._bins, so nothing of a segment is
+    served before its crc32c matches what the builder wrote (~10 GB/s: a first batch checks a few
+    MB at any size). A segment that does not match: the sidecar is removed (counted, logged once),
+    the table forgotten, and the stream ends UNAVAILABLE; the rank resumes on a plan that builds
+    the packing again, or elsewhere meanwhile."""
+
+    def __init__(self, where: Path, seen, segment: int, checks: dict, arrays: dict):
+        self.where, self.seen, self.segment, self.arrays = where, seen, segment, arrays
+        self.checks = {k: np.asarray(checks[k], dtype=np.int64) for k in _ARRAYS}
+        self.ok = {k: np.zeros(len(self.checks[k]), dtype=bool) for k in _ARRAYS}
+        self.damage = ""
+
+    @staticmethod
+    def fits(checks, segment, arrays: dict) -> bool:
+        return isinstance(segment, int) and segment > 0 and isinstance(checks, dict) and all(
+            isinstance(checks.get(k), list) and len(checks[k]) == -(-len(arrays[k]) // segment) for k in _ARRAYS)
+
+    def verify(self, table: "PackedTable", bins: np.ndarray) -> None:
+        if self.damage:
+            self._refuse(table)
+        if not len(bins):
+            return
+        e = self.segment
+        self._check(table, "ptr", np.unique(np.concatenate([bins // e, (bins + 1) // e])))
+        ptr = self.arrays["ptr"]
+        lo, hi = ptr[bins].astype(np.int64), ptr[bins + 1].astype(np.int64)
+        if (hi <= lo).any() or int(hi.max()) > len(self.arrays["start"]):   # (checked, yet not bins: a build's bug)
+            self.damage = "its bin pointers do not point at pieces"
+            self._refuse(table)
+        first, last = lo // e, (hi - 1) // e
+        segments = np.unique(ranges(first, last - first + 1))   # (every segment a bin's pieces lie in)
+        self._check(table, "start", segments)
+        self._check(table, "length", segments)
+
+    def _check(self, table: "PackedTable", k: str, segments: np.ndarray) -> None:
+        ok, e, a = self.ok[k], self.segment, self.arrays[k]
+        for s in segments[~ok[segments]].tolist():
+            if _crc(np.ascontiguousarray(a[s * e:(s + 1) * e]).view(np.uint8).data) != self.checks[k][s]:
+                self.damage = f"its {k} array's segment {s} does not match its check"
+                self._refuse(table)
+            ok[s] = True
+
+    def _refuse(self, table: "PackedTable"):
+        cache.remove_damaged(self.where, self.seen, "packing", f"sidecar {self.where}", self.damage)
+        with _lock:
+            for key, t in list(_tables.items()):
+                if t is table:
+                    del _tables[key]
+        raise Unavailable(f"the packing of {getattr(table.source, 'name', '?')} at seq_len {table.seq_len} was found "
+                          f"damaged before it was served ({self.damage}): it is built again; resume")
 
 
 def build(source, seq_len: int, where: Path, ctx) -> dict:

@@ -13,22 +13,26 @@ class Handoff:
     The stream thread adds runs of batches and the loop wakes it only once the queue is down
     to half, so the two threads trade the GIL once per run, not once per batch (per-batch
     hand-offs cost ~80 us a batch, more than decoding it). The end of the stream (END) or an
-    error stays at the head, so every later take sees it too."""
+    error stays at the head, so every later take sees it too. Once closed, nothing more is
+    queued and a take gets END: a loop blocked in one thread while another closes the client
+    ends, and never gets a batch queued after the ones the close dropped."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.items: deque = deque()
         self.cv = threading.Condition()
+        self.closed = False
 
     def put_many(self, items: list, stop: threading.Event) -> bool:
-        """Queue `items` in order, waiting for room; False if `stop` was set while waiting."""
+        """Queue `items` in order, waiting for room; False (the rest not queued) once `stop` is
+        set or the queue closed."""
         i = 0
         with self.cv:
             while i < len(items):
+                if self.closed or stop.is_set():
+                    return False
                 room = self.capacity - len(self.items)
                 if room <= 0:
-                    if stop.is_set():
-                        return False
                     self.cv.wait(0.2)
                     continue
                 self.items.extend(items[i:i + room])
@@ -40,6 +44,8 @@ class Handoff:
         """The next item, waiting for one; END and errors are left in place."""
         with self.cv:
             while not self.items:
+                if self.closed:
+                    return END
                 self.cv.wait()
             item = self.items[0]
             if item is END or isinstance(item, BaseException):
@@ -54,7 +60,9 @@ class Handoff:
             self.capacity = capacity
             self.cv.notify_all()
 
-    def clear(self) -> None:
+    def close(self) -> None:
+        """Drop what is queued and take nothing more (FeederClient.close)."""
         with self.cv:
+            self.closed = True
             self.items.clear()
             self.cv.notify_all()

@@ -182,6 +182,8 @@ class FeederClient:
         self._taken += 1
         if self._taken % 8 == 0:
             self._size_read_ahead()
+        if item is _END and self._closed:   # closed (from another thread): not the stream's end
+            raise StopIteration
         if item is _END:
             # The feeder shows a rank "finished" only once it knows the loop took the last batch.
             self._report_due = True
@@ -246,7 +248,7 @@ class FeederClient:
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
-        self._q.clear()  # unblock a reader waiting for room
+        self._q.close()  # unblock a reader waiting for room, and a loop waiting for a batch (it ends)
         self._thread.join(5)
         if self._watchdog.ident is not None:   # it may be mid-report: let it finish before its channel goes
             self._watchdog.join(5)

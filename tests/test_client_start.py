@@ -92,3 +92,52 @@ def test_an_iterator_held_in_a_global_exits_without_a_traceback(dataset):
         f.stop()
     assert r.returncode == 0 and r.stdout.strip() == "ok 4 4", r.stderr
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_regression_chaos_910255_a_client_closed_from_another_thread_ends_its_loop_without_a_gap(feeder):
+    """Found by the soak (seeds 910255, 910141, 910332: a model-parallel rank's member read in a
+    thread, closed by the main thread at the end): close() dropped the queued batches, and the
+    reader, waiting for room, then queued the next ones, so the loop took a batch after a gap.
+    Now a closed client queues nothing more and the loop ends (StopIteration), its batches still
+    one after another; a loop that waits on an empty queue ends too."""
+    import threading
+
+    from feeder.core.config import StreamSpec
+    from feeder_client.stream import ClientConfig, FeederClient
+
+    for rounds in range(3):
+        client = FeederClient(ClientConfig(targets=(feeder.address,), read_ahead=8, spec=StreamSpec(
+            job=f"close-{rounds}", rank=0, world_size=1, seq_len=SEQ, micro_batch=MB, num_epochs=0)))
+        got, ended = [], threading.Event()
+
+        def loop():
+            for b in client:
+                got.append((b.epoch, b.step))
+                time.sleep(0.002)
+            ended.set()
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        while len(got) < 40 + 20 * rounds:
+            time.sleep(0.005)
+        client.close()           # (the reader is waiting for room: the queue is full)
+        assert ended.wait(5), "the loop did not end after close()"
+        per_epoch = max(s for _, s in got) + 1
+        flat = [e * per_epoch + s for e, s in got]
+        assert flat == list(range(flat[0], flat[0] + len(flat))), "a batch after a gap"
+
+
+def test_a_closed_handoff_takes_nothing_more_and_ends_a_waiting_take():
+    import threading
+
+    from feeder_client.handoff import END, Handoff
+
+    q, stop = Handoff(2), threading.Event()
+    assert q.put_many([1, 2], stop)
+    left = []
+    t = threading.Thread(target=lambda: left.append(q.put_many([3, 4], stop)))
+    t.start()                    # waits for room
+    time.sleep(0.05)
+    q.close()
+    t.join(2)
+    assert left == [False] and not q.items and q.get() is END

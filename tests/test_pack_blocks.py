@@ -331,3 +331,73 @@ def test_a_sidecar_is_checked_a_segment_at_a_time_on_first_use_and_a_damaged_one
     again = packed.packed(src, SEQ, ctx)                                  # the next plan builds it again
     assert again is not table and sidecar(cache, src, 701) == sound
     assert np.array_equal(again.locate(np.array([victim]) * SEQ, SEQ + 1).gather(src.dtype), want[[victim]])
+
+
+def _retype(npy: Path, old: bytes, new: bytes) -> None:
+    """One .npy header's dtype changed in place (the data's bytes, and so their checks, unchanged)."""
+    data = npy.read_bytes()
+    at = data.index(old)
+    assert at < 128
+    npy.write_bytes(data[:at] + new + data[at + len(old):])
+
+
+@pytest.mark.parametrize("damage", ["start as float32", "length big-endian", "stats.json gone", "a file in its place"])
+def test_review_a_sidecar_whose_headers_lie_or_whose_figures_are_gone_is_built_again(corpus, cache, damage):
+    """Found by the outside review of the first-use checks: the checks cover the arrays' bytes,
+    not the .npy header that says how to read them, so a header whose dtype was changed served
+    wrong bins, never counted; a sidecar without its stats.json failed every stream (the rebuild
+    could not be renamed over it). Each is now damage: counted once, removed, built again."""
+    from feeder.sources import cache as entries
+
+    src = source(corpus)
+    ctx = Context(str(cache), packing=PackingConfig(block_tokens=701))
+    table = packed.packed(src, SEQ, ctx)
+    want = table.locate(np.arange(table.n_samples) * SEQ, SEQ + 1).gather(src.dtype)
+    sound = sidecar(cache, src, 701)
+    where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ, 701)
+    if damage == "start as float32":
+        _retype(where / "start.npy", b"'<u4'", b"'<f4'")
+    elif damage == "length big-endian":
+        _retype(where / "length.npy", b"'<u4'", b"'>u4'")
+    elif damage == "stats.json gone":
+        (where / "stats.json").unlink()
+    else:
+        import shutil
+
+        shutil.rmtree(where)
+        where.write_text("not a sidecar")
+    packed._tables.clear()
+    before = entries.damaged_counts()["packing"]
+    again = packed.packed(src, SEQ, ctx)
+    assert entries.damaged_counts()["packing"] == before + 1
+    assert np.array_equal(again.locate(np.arange(again.n_samples) * SEQ, SEQ + 1).gather(src.dtype), want)
+    assert sidecar(cache, src, 701) == sound
+
+
+def test_review_a_block_whose_header_lies_is_built_again_not_sealed_into_the_sidecar(corpus, cache, monkeypatch):
+    """The same blind spot in the blocks a build leaves when it is stopped: a block whose
+    start.npy header was changed was joined as it read, its values then sealed by the sidecar's
+    fresh checks. The join now checks each block's header too, and builds that block again."""
+    src = source(corpus)
+    ctx = Context(str(cache), packing=PackingConfig(block_tokens=503, workers=1))
+    clean = packed.packed(src, SEQ, Context(str(cache.parent / "clean"), packing=ctx.packing))
+    want = clean.locate(np.arange(clean.n_samples) * SEQ, SEQ + 1).gather(src.dtype)
+    packed._tables.clear()
+    real, built = pack_blocks.pack_block, []
+
+    def stop_after_three(*a, **k):
+        if len(built) == 3:
+            ctx.stopping.set()
+        built.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(pack_blocks, "pack_block", stop_after_three)
+    with pytest.raises(Unavailable):
+        packed.packed(src, SEQ, ctx)
+    parts = Path(f"{packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ, 503)}.blocks")
+    _retype(parts / "0000000" / "start.npy", b"'<u4'", b"'<f4'")
+    again = []
+    monkeypatch.setattr(pack_blocks, "pack_block", lambda *a, **k: again.append(a[1]) or real(*a, **k))
+    table = packed.packed(src, SEQ, Context(str(cache), packing=ctx.packing))
+    assert 0 in again and not {1, 2, 3} & set(again)     # block 0 built again, the sound ones kept
+    assert np.array_equal(table.locate(np.arange(table.n_samples) * SEQ, SEQ + 1).gather(src.dtype), want)

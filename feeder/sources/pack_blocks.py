@@ -239,7 +239,11 @@ class _Build:
         except (OSError, ValueError) as e:
             raise _Torn(b, f"{type(e).__name__}: {e}") from None
         want = figures["bins"] + 1 if k == "ptr" else figures["pieces"]
-        if len(a) != want or crc(np.ascontiguousarray(a).view(np.uint8).data) != figures["check"][ARRAYS.index(k)]:
+        # (the check covers the bytes; the .npy header, which says how to read them, must be pack_block's)
+        dtype = {"ptr": np.dtype(np.uint64 if figures["pieces"] >= 1 << 32 else np.uint32),
+                 "start": narrow(self.source.n_tokens), "length": np.dtype(np.uint32)}[k]
+        if a.dtype != dtype or a.ndim != 1 or len(a) != want \
+                or crc(np.ascontiguousarray(a).view(np.uint8).data) != figures["check"][ARRAYS.index(k)]:
             raise _Torn(b, f"its {k} does not match its check")
         return a
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from feeder.core import packing
 from feeder.core.errors import FailedPrecondition, Unavailable
-from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, ranges
+from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, narrow, ranges
 from feeder.core.config import PackingConfig
 from feeder.sources import cache, pack_blocks, preparing
 from feeder.core.rows import Rows
@@ -135,7 +135,9 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
         # one it checked (cache.remove_damaged), and one that finds the sidecar gone again (another
         # removed its copy) builds or reads again, a few times.
         for _ in range(3):
-            loaded = _load(where, source, seq_len, cfg) if (where / "stats.json").is_file() else None
+            # (a sidecar is published whole: one there without its figures, or a file in its
+            # place, is damage, removed by _load, not a build under way)
+            loaded = _load(where, source, seq_len, cfg) if where.exists() or where.is_symlink() else None
             if loaded is None:
                 build(source, seq_len, where, ctx)
                 loaded = _load(where, source, seq_len, cfg)
@@ -199,8 +201,12 @@ def _load(where: Path, source, seq_len: int, cfg: PackingConfig) -> tuple[dict, 
         arrays = {k: np.load(where / f"{k}.npy", mmap_mode="r") for k in _ARRAYS}
         n_bins, n_pieces = int(stats["bins"]), len(arrays["start"])
         checks = stats.get("segment_checks")
+        # The arrays' types as the builder writes them (pack_blocks): the segments' checks cover
+        # the bytes, not the .npy header that says how to read them.
+        types = {"ptr": narrow(n_pieces), "start": narrow(source.n_tokens), "length": np.dtype(np.uint32)}
         wrong = [what for what, bad in (
             ("figures", stats.get("figures_sha256") != _figures_digest(stats)),
+            ("array types", any(arrays[k].dtype != types[k] or arrays[k].ndim != 1 for k in _ARRAYS)),
             ("seq_len", stats.get("seq_len") != seq_len), ("packer", stats.get("packer") != PACKER),
             ("block size", stats.get("block_tokens") != cfg.block_tokens),
             ("source fingerprint", stats.get("fingerprint") != source.fingerprint),

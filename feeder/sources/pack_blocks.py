@@ -46,6 +46,13 @@ except ImportError:  # no C compiler at install
 log = logging.getLogger("feeder.packing")
 
 ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its digest hashes them
+
+
+def array_types(pieces: int, n_tokens: int) -> dict[str, np.dtype]:
+    """Each array's dtype, a block's as the joined sidecar's: bin pointers into `pieces` pieces,
+    piece starts in a stream of n_tokens, piece lengths. What a reader holds the .npy headers to
+    (the checks cover the bytes, not the header that says how to read them)."""
+    return {"ptr": narrow(pieces), "start": narrow(n_tokens), "length": np.dtype(np.uint32)}
 # Each array's elements in segments of this many, each with its crc32c in the sidecar's figures:
 # what a feeder verifies on first use of a bin (feeder.sources.packed), ~2 MB of piece starts, so
 # a first batch reads and checks a few MB whatever the corpus (at 10^9 documents the arrays are
@@ -77,9 +84,8 @@ def pack_block(source, b: int, seq_len: int, block_tokens: int) -> tuple[dict, d
     starts, end = source.doc_spans(lo, min(lo + block_tokens, source.n_tokens))
     t1 = time.perf_counter()
     p = best_fit(starts, end, seq_len + 1)
-    arrays = {"ptr": p.ptr.astype(np.uint64 if len(p.start) >= 1 << 32 else np.uint32, copy=False),
-              "start": p.start.astype(narrow(source.n_tokens), copy=False),
-              "length": p.length}
+    types = array_types(len(p.start), source.n_tokens)
+    arrays = {k: getattr(p, k).astype(types[k], copy=False) for k in ARRAYS}
     lengths = np.diff(np.append(starts, end))
     figures = {"documents": int(len(starts)), "bins": int(p.n_bins), "pieces": int(len(p.start)),
                "tokens": int(end - starts[0]) if len(starts) else 0,
@@ -240,8 +246,7 @@ class _Build:
             raise _Torn(b, f"{type(e).__name__}: {e}") from None
         want = figures["bins"] + 1 if k == "ptr" else figures["pieces"]
         # (the check covers the bytes; the .npy header, which says how to read them, must be pack_block's)
-        dtype = {"ptr": np.dtype(np.uint64 if figures["pieces"] >= 1 << 32 else np.uint32),
-                 "start": narrow(self.source.n_tokens), "length": np.dtype(np.uint32)}[k]
+        dtype = array_types(figures["pieces"], self.source.n_tokens)[k]
         if a.dtype != dtype or a.ndim != 1 or len(a) != want \
                 or crc(np.ascontiguousarray(a).view(np.uint8).data) != figures["check"][ARRAYS.index(k)]:
             raise _Torn(b, f"its {k} does not match its check")
@@ -252,7 +257,7 @@ class _Build:
         pieces = [f["pieces"] for f in figures]
         total_pieces, total_bins = sum(pieces), sum(f["bins"] for f in figures)
         h = hashlib.sha256()
-        dtypes = {"ptr": narrow(total_pieces), "start": narrow(self.source.n_tokens), "length": np.dtype(np.uint32)}
+        dtypes = array_types(total_pieces, self.source.n_tokens)
         sizes = {"ptr": total_bins + 1, "start": total_pieces, "length": total_pieces}
         # The join is the part of a build that does not divide among cores: each part is hashed on
         # a thread of its own while it is written (both without the GIL), the next part is read

@@ -28,7 +28,7 @@ import numpy as np
 
 from feeder.core import packing
 from feeder.core.errors import FailedPrecondition, Unavailable
-from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, narrow, ranges
+from feeder.core.layout import PACKED_PREFIX, PACKER, Bounds, Packing, ranges
 from feeder.core.config import PackingConfig
 from feeder.sources import cache, pack_blocks, preparing
 from feeder.core.rows import Rows
@@ -155,7 +155,7 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
         return table
 
 
-_ARRAYS = ("ptr", "start", "length")
+_ARRAYS = pack_blocks.ARRAYS
 
 
 def _digest(arrays: dict) -> str:
@@ -201,9 +201,7 @@ def _load(where: Path, source, seq_len: int, cfg: PackingConfig) -> tuple[dict, 
         arrays = {k: np.load(where / f"{k}.npy", mmap_mode="r") for k in _ARRAYS}
         n_bins, n_pieces = int(stats["bins"]), len(arrays["start"])
         checks = stats.get("segment_checks")
-        # The arrays' types as the builder writes them (pack_blocks): the segments' checks cover
-        # the bytes, not the .npy header that says how to read them.
-        types = {"ptr": narrow(n_pieces), "start": narrow(source.n_tokens), "length": np.dtype(np.uint32)}
+        types = pack_blocks.array_types(n_pieces, source.n_tokens)   # (the checks cover bytes, not headers)
         wrong = [what for what, bad in (
             ("figures", stats.get("figures_sha256") != _figures_digest(stats)),
             ("array types", any(arrays[k].dtype != types[k] or arrays[k].ndim != 1 for k in _ARRAYS)),

@@ -3,6 +3,8 @@ own table, bins packed block by block on threads and by every feeder sharing the
 bytes whoever built which block; progress noted; a stop ends a build within a block."""
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 import textwrap
@@ -189,6 +191,11 @@ def test_the_bins_are_the_same_bytes_by_one_thread_two_threads_and_two_feeders_o
     got["shared"] = sidecar(shared, src, B)
     assert got["one"] == got["two"] == got["shared"]
     assert sorted(p.name for p in (shared / "packing").iterdir()) == [packed.identity(src.fingerprint, SEQ, B)]
+    # The digest every packed cursor is bound to is sha256(ptr | start | length), as one pass over
+    # the joined arrays made it before the join was divided among threads: cursors written then resume.
+    where = shared / "packing" / packed.identity(src.fingerprint, SEQ, B)
+    want = hashlib.sha256(b"".join(np.load(where / f"{k}.npy").tobytes() for k in ("ptr", "start", "length")))
+    assert json.loads((where / "stats.json").read_text())["digest"] == want.hexdigest()
 
 
 def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_build_takes_up(
@@ -245,6 +252,48 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
     packed._tables.clear()
     packed.packed(src, SEQ, Context(str(cache.parent / "clean"), packing=ctx.packing))
     assert sidecar(cache.parent / "clean", src, 503) == again
+
+
+def test_a_stop_during_the_join_ends_it_within_a_second_and_the_next_build_joins_the_blocks(
+        corpus, cache, monkeypatch):
+    """The join (the blocks copied into the sidecar on every thread, hashed in order) hears the stop
+    too: at 10^9 documents it writes 13 GB. Stopped mid-join, it leaves the blocks whole and no
+    half-written sidecar; the next build joins them, building none, into the same bytes."""
+    src = source(corpus)
+    ctx = Context(str(cache), packing=PackingConfig(block_tokens=211, workers=2))
+    real = pack_blocks._Build._array
+    monkeypatch.setattr(pack_blocks._Build, "_array", lambda *a: time.sleep(0.01) or real(*a))
+    out = {}
+
+    def build():
+        try:
+            packed.packed(src, SEQ, ctx)
+        except Unavailable as e:
+            out["error"] = str(e)
+        out["at"] = time.monotonic()
+
+    t = threading.Thread(target=build)
+    t.start()
+    where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ, 211)
+    while not list(where.parent.glob(f".{where.name}.*/start.npy")):   # the join under way
+        time.sleep(0.005)
+    asked = time.monotonic()
+    ctx.stopping.set()
+    t.join(5)
+    assert not t.is_alive() and out["at"] - asked < 1.0 and "stopping" in out["error"]
+    assert not where.exists() and not list(where.parent.glob(f".{where.name}.*"))
+    blocks = [p for p in Path(f"{where}.blocks").iterdir() if p.is_dir()]
+    assert len(blocks) == -(-src.n_tokens // 211)
+    monkeypatch.setattr(pack_blocks._Build, "_array", real)
+    built = []
+    real_pack = pack_blocks.pack_block
+    monkeypatch.setattr(pack_blocks, "pack_block", lambda *a, **k: built.append(a[1]) or real_pack(*a, **k))
+    packed.packed(src, SEQ, Context(str(cache), packing=ctx.packing))
+    assert built == [] and not Path(f"{where}.blocks").exists()
+    again = sidecar(cache, src, 211)
+    packed._tables.clear()
+    packed.packed(src, SEQ, Context(str(cache.parent / "clean"), packing=PackingConfig(block_tokens=211, workers=1)))
+    assert sidecar(cache.parent / "clean", src, 211) == again
 
 
 def _mkdir(p: Path) -> Path:

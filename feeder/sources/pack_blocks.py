@@ -256,44 +256,65 @@ class _Build:
         figures = [self._figures(b) for b in range(self.n)]
         pieces = [f["pieces"] for f in figures]
         total_pieces, total_bins = sum(pieces), sum(f["bins"] for f in figures)
-        h = hashlib.sha256()
         dtypes = array_types(total_pieces, self.source.n_tokens)
         sizes = {"ptr": total_bins + 1, "start": total_pieces, "length": total_pieces}
-        # The join is the part of a build that does not divide among cores: each part is hashed on
-        # a thread of its own while it is written (both without the GIL), the next part is read
-        # meanwhile.
-        segments = {k: _Segments(dtypes[k].itemsize) for k in ARRAYS}
+        # Where each block's part of each array goes: after the parts of the blocks before it.
+        firsts = {"ptr": np.cumsum([0] + [f["bins"] for f in figures]),
+                  "start": np.cumsum([0] + pieces)}
+        firsts["length"] = firsts["start"]
+        files = {k: open(tmp / f"{k}.npy", "w+b") for k in ARRAYS}
+        try:
+            heads = {}
+            for k, f in files.items():   # (each file at its final size first: the parts land in any order)
+                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtypes[k]),
+                                                         "fortran_order": False, "shape": (sizes[k],)})
+                heads[k] = f.tell()
+                f.truncate(heads[k] + sizes[k] * dtypes[k].itemsize)
+                f.flush()
 
-        def hash_part(k: str, data: memoryview) -> None:
-            h.update(data)
-            segments[k].feed(data)
+            def copy(k: str, b: int) -> memoryview:
+                """Block b's part of array k, checked, into its place (any thread: without the GIL)."""
+                out = self._array(b, k, figures[b])
+                if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
+                    out = out[:-1].astype(dtypes[k])
+                    out += dtypes[k].type(firsts["start"][b])
+                else:
+                    out = np.ascontiguousarray(out, dtype=dtypes[k])
+                data = out.view(np.uint8).data
+                os.pwrite(files[k].fileno(), data, heads[k] + int(firsts[k][b]) * dtypes[k].itemsize)
+                return data
 
-        with ThreadPoolExecutor(1, thread_name_prefix="pack-hash") as hasher:
-            hashed = hasher.submit(int)
-            for k in ARRAYS:
-                with open(tmp / f"{k}.npy", "wb") as f:
-                    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtypes[k]),
-                                                             "fortran_order": False, "shape": (sizes[k],)})
-                    offset = 0
-                    for b in range(self.n):
-                        out = self._array(b, k, figures[b])
-                        if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
-                            out = out[:-1].astype(dtypes[k])
-                            out += dtypes[k].type(offset)
-                            offset += pieces[b]
-                        else:
-                            out = np.ascontiguousarray(out, dtype=dtypes[k])
-                        hashed.result()
-                        hashed = hasher.submit(hash_part, k, out.view(np.uint8).data)
-                        f.write(out.view(np.uint8).data)
-                    if k == "ptr":
+            # The join is what does not divide among cores unless made to: the blocks' parts are read,
+            # checked and written by every thread, while this one hashes them in the digest's order
+            # (sha256 is sequential: it is the join's only part on one core), a few parts ahead at most.
+            h = hashlib.sha256()
+            segments = {k: _Segments(dtypes[k].itemsize) for k in ARRAYS}
+            parts = [(k, b) for k in ARRAYS for b in range(self.n)]
+            ahead = 2 * self.cfg.threads(self.n)
+            with ThreadPoolExecutor(self.cfg.threads(self.n), thread_name_prefix="pack-join") as pool:
+                pending = [pool.submit(copy, *kb) for kb in parts[:ahead]]
+                for i, (k, b) in enumerate(parts):
+                    if self.stopped.is_set():
+                        for f in pending[i:]:
+                            f.cancel()
+                        raise Stopped()
+                    data = pending[i].result()
+                    pending[i] = None   # (its bytes are hashed: let them go)
+                    if i + ahead < len(parts):
+                        pending.append(pool.submit(copy, *parts[i + ahead]))
+                    h.update(data)
+                    segments[k].feed(data)
+                    if k == "ptr" and b == self.n - 1:   # the bins' end: the pieces' count
                         last = np.array([total_pieces], dtype=dtypes[k])
-                        hashed.result()
-                        hashed = hasher.submit(hash_part, k, last.view(np.uint8).data)
-                        f.write(last.view(np.uint8).data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            hashed.result()
+                        os.pwrite(files[k].fileno(), last.view(np.uint8).data,
+                                  heads[k] + total_bins * dtypes[k].itemsize)
+                        h.update(last.view(np.uint8).data)
+                        segments[k].feed(last.view(np.uint8).data)
+                for f in pool.map(lambda f: os.fsync(f.fileno()), files.values()):
+                    pass
+        finally:
+            for f in files.values():
+                f.close()
         tokens = self.source.n_tokens
         return {"packer": PACKER, "seq_len": self.seq_len, "fingerprint": self.source.fingerprint,
                 "block_tokens": self.cfg.block_tokens, "blocks": self.n,

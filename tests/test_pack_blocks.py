@@ -198,6 +198,23 @@ def test_the_bins_are_the_same_bytes_by_one_thread_two_threads_and_two_feeders_o
     assert json.loads((where / "stats.json").read_text())["digest"] == want.hexdigest()
 
 
+def _build_in_thread(src, ctx) -> tuple[threading.Thread, dict]:
+    """packed.packed on a thread of its own, started: `out` gets the error it ended with, if any,
+    and when it ended ("at", time.monotonic)."""
+    out = {}
+
+    def build():
+        try:
+            packed.packed(src, SEQ, ctx)
+        except Unavailable as e:
+            out["error"] = str(e)
+        out["at"] = time.monotonic()
+
+    t = threading.Thread(target=build)
+    t.start()
+    return t, out
+
+
 def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_build_takes_up(
         corpus, cache, monkeypatch):
     """SIGTERM (the server's Context.stopping) while blocks are packed: the build ends within a second with
@@ -213,17 +230,7 @@ def test_a_stop_ends_a_build_within_a_block_leaving_whole_blocks_that_the_next_b
         return real(*a, **k)
 
     monkeypatch.setattr(pack_blocks, "pack_block", slow)
-    out = {}
-
-    def build():
-        try:
-            packed.packed(src, SEQ, ctx)
-        except Unavailable as e:
-            out["error"] = str(e)
-        out["at"] = time.monotonic()
-
-    t = threading.Thread(target=build)
-    t.start()
+    t, out = _build_in_thread(src, ctx)
     seen = []
     while len(seen) < 3:
         seen += [v for k, v in preparing.current().items() if k.startswith("packing m") and (v["done"] or 0) > 0]
@@ -263,17 +270,7 @@ def test_a_stop_during_the_join_ends_it_within_a_second_and_the_next_build_joins
     ctx = Context(str(cache), packing=PackingConfig(block_tokens=211, workers=2))
     real = pack_blocks._Build._array
     monkeypatch.setattr(pack_blocks._Build, "_array", lambda *a: time.sleep(0.01) or real(*a))
-    out = {}
-
-    def build():
-        try:
-            packed.packed(src, SEQ, ctx)
-        except Unavailable as e:
-            out["error"] = str(e)
-        out["at"] = time.monotonic()
-
-    t = threading.Thread(target=build)
-    t.start()
+    t, out = _build_in_thread(src, ctx)
     where = packed.directory(str(cache)) / packed.identity(src.fingerprint, SEQ, 211)
     while not list(where.parent.glob(f".{where.name}.*/start.npy")):   # the join under way
         time.sleep(0.005)

@@ -217,22 +217,25 @@ class FeederProc:
             self.proc.wait(10)
 
 
-def launch(cmd: list[str], cwd, what: str, *, limit_s: float, expect_rc: int = 0) -> str:
-    """Run a `deepspeed` launch to its end: its stdout. A run past limit_s gets SIGABRT, so that
-    faulthandler prints where every rank's threads stood, and the test fails with that in its
-    message; a run that fails (or succeeds) against `expect_rc` fails the test with its output."""
+def launch(cmd: list[str], cwd, what: str, *, limit_s: float, expect_rc: int = 0, env: dict | None = None,
+           merged: bool = False) -> str:
+    """Run a launch (`deepspeed`, `torchrun`) to its end: its stdout (with its stderr when
+    `merged`; `env`: variables set on top of this process's). A run past limit_s gets SIGABRT, so
+    that faulthandler prints where every rank's threads stood, and the test fails with that in
+    its message; a run that fails (or succeeds) against `expect_rc` fails the test with its output."""
     import os
     import signal
 
     import pytest
 
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                         env=dict(os.environ, PYTHONFAULTHANDLER="1"), start_new_session=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                         text=True, cwd=cwd, env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})),
+                         start_new_session=True)
     try:
         out, err = p.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGABRT)
         out, err = p.communicate(timeout=60)
-        pytest.fail(f"{what}: no end after {limit_s} s; the ranks' stacks:\n{out[-6000:]}\n{err[-20000:]}")
-    assert (p.returncode == 0) == (expect_rc == 0), out[-3000:] + err[-3000:]
+        pytest.fail(f"{what}: no end after {limit_s} s; the ranks' stacks:\n{out[-12000:]}\n{(err or '')[-20000:]}")
+    assert (p.returncode == 0) == (expect_rc == 0), out[-6000:] + (err or "")[-3000:]
     return out

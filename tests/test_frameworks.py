@@ -10,9 +10,6 @@ DataLoader workers; the mistakes a user makes are refused with a message that sa
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import pytest
 from feeder.core.config import ServeConfig
 from feeder.core.sampler import n_samples
 from feeder.service.server import ServerThread
-from tests.helpers import free_port, reference_ids
+from tests.helpers import free_port, launch, reference_ids
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "trainer" / "examples"
@@ -35,18 +32,9 @@ def torchrun(example: str, address: str, job: str, cwd: Path, *extra: str, expec
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(EXAMPLES / f"{example}.py"), "--targets", address, "--job", job, "--seq-len", str(SEQ),
            "--micro-batch", str(MB), "--seed", str(SEED), *extra]
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGABRT)
-        out, _ = p.communicate(timeout=60)
-        pytest.fail(f"{example} {job}: no end after {limit_s} s:\n{out[-12000:]}")
-    assert (p.returncode == 0) == (expect_rc == 0), out[-6000:]
-    return out
+    return launch(cmd, cwd, f"{example} {job}", limit_s=limit_s, expect_rc=expect_rc, merged=True,
+                  env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "",
+                       "HF_HUB_OFFLINE": "1"})
 
 
 def ids_log(d: Path, rank: int) -> list[dict]:

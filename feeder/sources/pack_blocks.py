@@ -46,6 +46,7 @@ except ImportError:  # no C compiler at install
 log = logging.getLogger("feeder.packing")
 
 ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its digest hashes them
+_COUNTS = ("documents", "bins", "pieces", "tokens", "truncated")   # a block's figures the join adds up
 
 
 def array_types(pieces: int, n_tokens: int) -> dict[str, np.dtype]:
@@ -213,17 +214,20 @@ class _Build:
             self.note(f"joining {self.n:,} blocks", 1.0)
             tmp = Path(tempfile.mkdtemp(prefix=f".{self.where.name}.", dir=self.where.parent))
             try:
-                for _ in range(3):
+                rebuilt: set[int] = set()
+                while True:
                     try:
                         stats = self._write_joined(tmp)
                         break
-                    except _Torn as e:   # built again here, and the join begun again
+                    except _Torn as e:   # built again here, and the join begun again (once a block:
+                        if e.block in rebuilt:   # one that reads back wrong as soon as written is the disk's)
+                            raise OSError(f"packing {self.where.name}: block {e.block} does not read back as it "
+                                          f"was written ({e.why})") from None
+                        rebuilt.add(e.block)
                         log.error("packing %s: block %d is not as it was written (%s): built again",
                                   self.where.name, e.block, e.why)
                         shutil.rmtree(self.block_dir(e.block), ignore_errors=True)
                         self._write_block(e.block, self.block_dir(e.block))
-                else:
-                    raise OSError(f"packing {self.where.name}: blocks do not read back as they were written")
                 self.publish(tmp, self.where, stats)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -232,9 +236,14 @@ class _Build:
 
     def _figures(self, b: int) -> dict:
         try:
-            return json.loads((self.block_dir(b) / "figures.json").read_text())
+            figures = json.loads((self.block_dir(b) / "figures.json").read_text())
         except (OSError, ValueError) as e:
             raise _Torn(b, f"{type(e).__name__}: {e}") from None
+        if not (isinstance(figures, dict) and all(type(figures.get(k)) is int and figures[k] >= 0 for k in _COUNTS)
+                and all(type(figures.get(k)) in (int, float) for k in ("read_s", "pack_s"))
+                and isinstance(figures.get("check"), list) and len(figures["check"]) == len(ARRAYS)):
+            raise _Torn(b, "its figures are not a block's")
+        return figures
 
     def _array(self, b: int, k: str, figures: dict) -> np.ndarray:
         """Block b's array k as written (read, not mapped: mapped pages stay resident), or _Torn:
@@ -242,7 +251,7 @@ class _Build:
         sidecar's digest."""
         try:
             a = np.load(self.block_dir(b) / f"{k}.npy")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EOFError) as e:   # (EOFError: np.load of an empty file)
             raise _Torn(b, f"{type(e).__name__}: {e}") from None
         want = figures["bins"] + 1 if k == "ptr" else figures["pieces"]
         # (the check covers the bytes; the .npy header, which says how to read them, must be pack_block's)
@@ -310,6 +319,8 @@ class _Build:
                                   heads[k] + total_bins * dtypes[k].itemsize)
                         h.update(last.view(np.uint8).data)
                         segments[k].feed(last.view(np.uint8).data)
+                if self.stopped.is_set():   # (the fsyncs wait for what writeback has not done yet)
+                    raise Stopped()
                 for f in pool.map(lambda f: os.fsync(f.fileno()), files.values()):
                     pass
         finally:
@@ -357,6 +368,15 @@ class _Segments:
 
 def _check(arrays: dict) -> list[int]:
     return [crc(np.ascontiguousarray(arrays[k]).view(np.uint8).data) for k in ARRAYS]
+
+
+def clear_leftovers(where: Path) -> None:
+    """The blocks beside a sidecar that is in place: what a joiner killed between publishing the
+    sidecar and removing them left (13 GB at 10^9 documents); a builder still at a block finds the
+    sidecar and stops."""
+    parts = where.parent / f"{where.name}.blocks"
+    if parts.is_dir() and (where / "stats.json").is_file():
+        shutil.rmtree(parts, ignore_errors=True)
 
 
 def build(source, seq_len: int, where: Path, cfg: PackingConfig, note, publish,

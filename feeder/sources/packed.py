@@ -146,6 +146,7 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
         else:
             raise Unavailable(f"the packing of {getattr(source, 'name', '?')} at seq_len {seq_len} in {where} does "
                               "not read back as it was written (see the feeder's log)", elsewhere=True)
+        pack_blocks.clear_leftovers(where)
         if loaded[0]["bins"] == 0:
             raise FailedPrecondition(f"dataset {getattr(source, 'name', '?')} has no tokens to pack")
         stats, arrays, first_use = loaded

@@ -483,10 +483,14 @@ def test_review35_damaged_blocks_at_the_join_are_built_again_in_one_build(corpus
             f.write_bytes(bytes(data))
         else:
             (parts / f"{b:07d}" / "figures.json").write_text('{"check": [1, 2, 3]}')
+    from feeder.sources import cache as entries
+
     real, built = pack_blocks.pack_block, []
     monkeypatch.setattr(pack_blocks, "pack_block", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    before = entries.damaged_counts()["packing"]
     table = packed.packed(src, SEQ, Context(str(cache), packing=PackingConfig(block_tokens=211)))
     assert sorted(built) == hurt and table.n_samples == clean.n_samples
+    assert entries.damaged_counts()["packing"] == before + len(hurt)   # each counted once
     assert sidecar(cache, src, 211) == sound and not parts.exists()
 
 

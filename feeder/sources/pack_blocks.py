@@ -37,6 +37,7 @@ import numpy as np
 
 from feeder.core.config import PackingConfig
 from feeder.core.layout import PACKER, best_fit, narrow
+from feeder.sources import cache
 
 try:
     from feeder._native import crc32c as crc   # ~10 GB/s, without the GIL
@@ -223,9 +224,8 @@ class _Build:
                         if e.block in rebuilt:   # one that reads back wrong as soon as written is the disk's)
                             raise OSError(f"packing {self.where.name}: block {e.block} does not read back as it "
                                           f"was written ({e.why})") from None
-                        rebuilt.add(e.block)
-                        log.error("packing %s: block %d is not as it was written (%s): built again",
-                                  self.where.name, e.block, e.why)
+                        rebuilt.add(e.block)   # (counted in feeder_cache_damaged_total, said once: the joiner's)
+                        cache.damaged("packing", f"block {e.block} of {self.where.name}", e.why)
                         shutil.rmtree(self.block_dir(e.block), ignore_errors=True)
                         self._write_block(e.block, self.block_dir(e.block))
                 self.publish(tmp, self.where, stats)

@@ -451,3 +451,41 @@ def test_a_second_feeder_on_a_taken_port_fails_instead_of_sharing_it(dataset, tm
     b = FeederProc(dataset, port=int(a.address.rpartition(":")[2]), extra=["--reuse-port"])
     for f in (a, b):
         f.stop()
+
+
+def test_a_client_killed_mid_stream_leaves_no_error_in_the_feeders_log(dataset, tmp_path):
+    """A rank killed while its stream sends (SIGKILL: the socket reset under a write) is a rank
+    leaving, not the feeder's error: gRPC logged it as `ERROR ... ExecuteBatchError raised in core
+    by servicer method` with a traceback, once per such rank. Now the stream closes as "cancelled
+    by client", and the log holds no ERROR and no traceback."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "feeder.log"
+    with open(log, "w") as err:
+        feeder = subprocess.Popen([sys.executable, "-m", "feeder.cli", "serve", "--source", str(dataset), "--listen",
+                                   address, "--grace", "1", "--message-bytes", "4096"],
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert "listening on" in feeder.stdout.readline()
+        rank = ("import sys, time\nfrom feeder_client import FeederDataset\n"
+                f"ds = FeederDataset([{address!r}], job='killed', rank=0, world_size=1, seq_len=16, micro_batch=2)\n"
+                "it = iter(ds)\nnext(it)\nprint('got', flush=True)\ntime.sleep(60)\n")
+        for _ in range(3):
+            r = subprocess.Popen([sys.executable, "-c", rank], stdout=subprocess.PIPE, text=True)
+            assert r.stdout.readline().strip() == "got"
+            time.sleep(0.2)    # (the feeder's prefetch full: its next write is the one that fails)
+            r.kill()
+            r.wait(10)
+        deadline = time.monotonic() + 20
+        while log.read_text().count("cancelled by client") < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        feeder.send_signal(signal.SIGTERM)
+        feeder.wait(20)
+    text = log.read_text()
+    assert text.count("stream closed job=killed rank=0: cancelled by client") == 3, text[-3000:]
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]

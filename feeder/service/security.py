@@ -332,8 +332,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream_behavior(request, context):
                 await admit(request, context)
-                async for reply in inner(request, context):
-                    yield reply
+                await inner(request, context)   # (it writes its replies itself: servicer._refusing_malformed)
 
             return grpc.unary_stream_rpc_method_handler(
                 stream_behavior, request_deserializer=handler.request_deserializer,

@@ -41,6 +41,12 @@ def unary(fn):
     return wrapper
 
 
+# What grpc.aio raises when a message cannot go out because the call is gone (the peer reset it):
+# a client killed mid-stream. Left to gRPC (replies yielded), it is logged as an ERROR with a
+# traceback for every such client; written here, it ends the call quietly.
+_CALL_GONE = getattr(getattr(grpc, "_cython", None) and grpc._cython.cygrpc, "ExecuteBatchError", None) or ()
+
+
 def _refusing_malformed(behavior, streaming: bool):
     if streaming:
         async def stream(request, context):
@@ -49,7 +55,10 @@ def _refusing_malformed(behavior, streaming: bool):
             # aclosing: when the call ends early, the handler's own cleanup runs now, not at GC.
             async with contextlib.aclosing(behavior(request, context)) as replies:
                 async for reply in replies:
-                    yield reply
+                    try:
+                        await context.write(reply)
+                    except _CALL_GONE:   # (the handler's cleanup closes the stream: "cancelled by client")
+                        return
         return stream
 
     async def unary_behavior(request, context):

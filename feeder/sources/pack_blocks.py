@@ -47,6 +47,9 @@ except ImportError:  # no C compiler at install
 log = logging.getLogger("feeder.packing")
 
 ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its digest hashes them
+# What np.load raises for an array file that is damaged, cut short or empty (EOFError: what a host
+# crash often leaves): a block's or a sidecar's, each then damage, built again.
+UNREADABLE = (OSError, ValueError, EOFError)
 _COUNTS = ("documents", "bins", "pieces", "tokens", "truncated")   # a block's figures the join adds up
 
 
@@ -251,7 +254,7 @@ class _Build:
         sidecar's digest."""
         try:
             a = np.load(self.block_dir(b) / f"{k}.npy")
-        except (OSError, ValueError, EOFError) as e:   # (EOFError: np.load of an empty file)
+        except UNREADABLE as e:
             raise _Torn(b, f"{type(e).__name__}: {e}") from None
         want = figures["bins"] + 1 if k == "ptr" else figures["pieces"]
         # (the check covers the bytes; the .npy header, which says how to read them, must be pack_block's)

@@ -220,7 +220,7 @@ def _load(where: Path, source, seq_len: int, cfg: PackingConfig) -> tuple[dict, 
                 first_use = _FirstUse(where, seen, int(stats["segment"]), checks, arrays)
             return stats, arrays, first_use
         why = "its " + ", ".join(wrong) + " do not match"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (*pack_blocks.UNREADABLE, KeyError, TypeError) as e:
         why = f"{type(e).__name__}: {e}"
     cache.remove_damaged(where, seen, "packing", f"sidecar {where}", why)
     return None

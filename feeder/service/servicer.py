@@ -43,8 +43,12 @@ def unary(fn):
 
 # What grpc.aio raises when a message cannot go out because the call is gone (the peer reset it):
 # a client killed mid-stream. Left to gRPC (replies yielded), it is logged as an ERROR with a
-# traceback for every such client; written here, it ends the call quietly.
-_CALL_GONE = getattr(getattr(grpc, "_cython", None) and grpc._cython.cygrpc, "ExecuteBatchError", None) or ()
+# traceback for every such client; written here, it ends the call quietly. (gRPC has no public
+# name for it; without it, nothing is caught and gRPC logs as before.)
+try:
+    from grpc._cython.cygrpc import ExecuteBatchError as _CALL_GONE
+except ImportError:
+    _CALL_GONE = ()
 
 
 def _refusing_malformed(behavior, streaming: bool):

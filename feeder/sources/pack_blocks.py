@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,7 +51,7 @@ ARRAYS = ("ptr", "start", "length")     # the sidecar's arrays, in the order its
 # What np.load raises for an array file that is damaged, cut short or empty (EOFError: what a host
 # crash often leaves): a block's or a sidecar's, each then damage, built again.
 UNREADABLE = (OSError, ValueError, EOFError)
-_COUNTS = ("documents", "bins", "pieces", "tokens", "truncated")   # a block's figures the join adds up
+_COUNTS = ("documents", "bins", "pieces", "tokens", "truncated")   # a block's counts (figures.json)
 
 
 def array_types(pieces: int, n_tokens: int) -> dict[str, np.dtype]:
@@ -194,7 +195,7 @@ class _Build:
         """The blocks, in order, into the sidecar (written whole, then renamed into place), once:
         whoever holds join.lock first; the others find the sidecar there."""
         if (self.where / "stats.json").is_file():
-            shutil.rmtree(self.parts, ignore_errors=True)   # (a late builder's: made after the join)
+            clear_leftovers(self.where)   # (a late builder's: made after the join)
             return
         try:
             lock = open(self.parts / "join.lock", "a+b")
@@ -304,14 +305,13 @@ class _Build:
             parts = [(k, b) for k in ARRAYS for b in range(self.n)]
             ahead = 2 * self.cfg.threads(self.n)
             with ThreadPoolExecutor(self.cfg.threads(self.n), thread_name_prefix="pack-join") as pool:
-                pending = [pool.submit(copy, *kb) for kb in parts[:ahead]]
+                pending = deque(pool.submit(copy, *kb) for kb in parts[:ahead])
                 for i, (k, b) in enumerate(parts):
                     if self.stopped.is_set():
-                        for f in pending[i:]:
+                        for f in pending:
                             f.cancel()
                         raise Stopped()
-                    data = pending[i].result()
-                    pending[i] = None   # (its bytes are hashed: let them go)
+                    data = pending.popleft().result()
                     if i + ahead < len(parts):
                         pending.append(pool.submit(copy, *parts[i + ahead]))
                     h.update(data)
@@ -324,8 +324,7 @@ class _Build:
                         segments[k].feed(last.view(np.uint8).data)
                 if self.stopped.is_set():   # (the fsyncs wait for what writeback has not done yet)
                     raise Stopped()
-                for f in pool.map(lambda f: os.fsync(f.fileno()), files.values()):
-                    pass
+                list(pool.map(lambda f: os.fsync(f.fileno()), files.values()))
         finally:
             for f in files.values():
                 f.close()

@@ -112,7 +112,10 @@ class _Peak:
 def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, epoch_samples: int = 0,
                  extra=(), **stream) -> dict:
     """One fresh feeder process; rank 0 of 8 takes its first batch (`stream`: FeederDataset's
-    other arguments: seq_len, micro_batch, packing, boundaries)."""
+    other arguments: seq_len, micro_batch, packing, boundaries). A torch order's first batch comes
+    from its early part (the order store's): the feeder is then kept until the whole is built
+    (`order_built_s`, from the same start), so its peak memory and a second process's figures are
+    those of a built cache."""
     from feeder_client import FeederDataset
 
     f = Feeder(source, message_bytes=1 << 20, extra=["--vocab-size", "256", "--eos-id", "0", "--cache-dir",
@@ -126,8 +129,12 @@ def _first_batch(source: str, cache: Path, *, permutation: str, mixture=None, ep
         batch = next(iter(ds))
         took = time.perf_counter() - t0
         ds.client.close()
+        built, deadline = None, time.monotonic() + 1800
+        while list((cache / "orders").glob("randperm-*.lock")) and time.monotonic() < deadline:   # (a build under way)
+            time.sleep(0.05)
+            built = time.perf_counter() - t0
         out = {"first_batch_s": took, "feeder_peak_rss_mb": peak.hwm_mb(), "feeder_peak_anon_mb": peak.anon_mb,
-               "max_id": int(batch.sample_ids.max())}
+               "max_id": int(batch.sample_ids.max()), **({} if built is None else {"order_built_s": built})}
     finally:
         peak.stop()
         f.stop()
@@ -141,7 +148,7 @@ def _packed_first_batch(prefix: Path, cache: Path, *, packing: str = "best_fit",
     of them at 10^9 documents)."""
     got = _first_batch(str(prefix), cache, permutation=permutation, seq_len=PACK_SEQ, micro_batch=1, packing=packing,
                        boundaries=boundaries)
-    return {k: got[k] for k in ("first_batch_s", "feeder_peak_rss_mb", "feeder_peak_anon_mb")}
+    return {k: got[k] for k in ("first_batch_s", "feeder_peak_rss_mb", "feeder_peak_anon_mb", "order_built_s") if k in got}
 
 
 _BUILD = """

@@ -18,7 +18,7 @@ from feeder.domain import order_store as store
 from feeder.sources import cache
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc
-from tests.test_order import VOCAB, flat_corpus, torch_rank_ids
+from tests.test_order import VOCAB, flat_corpus, torch_rank_ids, wait_for_build
 
 
 def built_order(cache_dir, n: int, seed: int) -> tuple[store.OrderStore, str]:
@@ -134,7 +134,8 @@ def test_failover_mid_epoch_from_a_feeder_whose_order_was_damaged_is_exact(tmp_p
         got = []
         for batch in ds:
             got += batch.sample_ids.tolist()
-            if len(got) == 64:
+            if len(got) == 64:   # (served from the early part of A's order: the whole is rebuilt meanwhile)
+                wait_for_build(cache_a / "orders")
                 assert metric(a, "feeder_cache_damaged_total{kind=\"order\"}") == 1.0
                 assert metric(a, "feeder_orders_built_total") == 1.0
                 a.signal(signal.SIGKILL)

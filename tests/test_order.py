@@ -22,6 +22,7 @@ from feeder.core import order, sampler
 from feeder.core.cursor import Cursor
 from feeder.core.errors import Code, FeederError
 from feeder.core.order import TORCH_INSIDE_OUT_FROM as T
+from feeder.domain.order_store import EARLY_POSITIONS
 from feeder_client import FeederDataset
 from tests.helpers import FeederProc
 
@@ -58,6 +59,16 @@ def served(feeder, *, n_batches: int, **kw):
     return out
 
 
+def wait_for_build(orders, timeout_s: float = 120) -> list:
+    """The order store's files once no build is under way (no lock or progress file)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = sorted(orders.glob("randperm-*"))
+        if files and not [p for p in files if p.suffix in (".lock", ".progress")] or time.monotonic() > deadline:
+            return files
+        time.sleep(0.2)
+
+
 def loaded_torch(pid: int) -> bool:
     with open(f"/proc/{pid}/maps") as f:
         return "libtorch" in f.read()
@@ -79,8 +90,10 @@ def test_the_feeder_serves_torchs_order_on_both_sides_of_the_threshold_without_l
         for rank in range(2):
             got = [i for b in served(f, n_batches=3, rank=rank, world_size=world) for i in b.sample_ids.tolist()]
             assert got == perm[rank::world][:len(got)].tolist()
+        assert order.torch_prefix(n, 1000, 5, "torch")[0].tolist() == perm[:1000].tolist()   # (the early part)
         assert not loaded_torch(f.proc.pid)
-        built = list((tmp_path / "cache" / "orders").glob("randperm-*"))   # (no lock or progress file left)
+        # (those first batches came from the order's early part: the whole is built meanwhile)
+        built = wait_for_build(tmp_path / "cache" / "orders")   # (no lock or progress file left)
         assert [p.name for p in built] == [f"randperm-{'io' if n >= T else 'fwd'}-n{n}-s5.u32"]
         assert built[0].stat().st_size == 4 * n + 64   # stored narrow: uint32 (and the 64-byte trailer of its checks)
     finally:
@@ -133,6 +146,34 @@ def test_ranks_whose_torch_versions_disagree_are_refused_only_where_it_matters(t
 
 # -- the order store: built once, shared, waited for, failed over -------------------------------------
 
+def test_an_orders_early_part_is_its_first_positions_for_both_loops_at_any_n():
+    """What a rank is served while a large order is built (feeder.order.torch_prefix, the order
+    store's early part) is the whole order's first positions: against the whole, drawn, for both
+    loops (inside-out forced at small n), both widths, n from 1, k from 0 to n, any seed; against
+    torch.randperm itself; against the legacy loop's golden values at the threshold. A stop flag
+    set ends it at once, and says so."""
+    rng = random.Random(36)
+    for _ in range(2000):
+        n = rng.choice([1, 2, 3, 64, 65, 1000, rng.randrange(1, 40_000)])
+        k = rng.choice([0, 1, n, rng.randrange(0, n + 1)])
+        seed, io = rng.randrange(2**64), rng.random() < 0.5
+        dtype = np.dtype(np.uint32 if rng.random() < 0.7 else np.uint64)
+        whole, part = np.empty(n, dtype), np.empty(k, dtype)
+        order._c.randperm(whole, seed, io)
+        assert order._c.prefix(part, n, seed, io) is False
+        assert np.array_equal(part, whole[:k]), (n, k, seed, io)
+    for n in (10, 4097, 123_457):
+        g = torch.Generator()
+        g.manual_seed(9)
+        assert order.torch_prefix(n, 500, 9, "torch")[0].tolist() == torch.randperm(n, generator=g)[:500].tolist()
+    assert order.torch_prefix(T, 8, 5, "torch-legacy")[0].tolist() == \
+        [94459955, 22248452, 89044615, 134552112, 28858570, 58999562, 79933354, 126465457]
+    for kind in ("torch", "torch-legacy"):   # (inside-out, then forward, at T)
+        t0 = time.monotonic()
+        ids, stopped = order.torch_prefix(T, 1 << 20, 5, kind, progress=np.array([0, 1], dtype=np.int64))
+        assert stopped and time.monotonic() - t0 < 2
+
+
 def hold_lock(path, seconds: float) -> subprocess.Popen:
     """Another process that holds the build lock of `path` (as a builder elsewhere would)."""
     code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+b'); fcntl.flock(f, fcntl.LOCK_EX); "
@@ -144,10 +185,11 @@ def hold_lock(path, seconds: float) -> subprocess.Popen:
 
 def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact(tmp_path):
     """Feeder A has the epoch's order in its cache; feeder B's cache directory has its build held
-    by another process. The rank, killed off A, fails over to B, which tells it that it is
-    waiting for the build (the rank's 3 s idle timeout never fires: no failover storm), then
+    by another process. The rank, killed off A, fails over to B, which serves it the order's early
+    part at once (its list in the first EARLY_POSITIONS: 2,048 samples of 512 ranks), then tells it
+    that it is waiting for the build (the rank's 4 s idle timeout never fires: no failover storm),
     builds it itself when the other builder goes away, and serves exactly what A would have.
-    (The rank's idle timeout, 4 s, is below the other builder's 6 s: only the notes keep it.)"""
+    (The rank's idle timeout, 4 s, is below the other builder's 10 s: only the notes keep it.)"""
     n = sampler.SMALL_ORDER + 12_345          # just past what is drawn in memory: a stored order
     data = flat_corpus(tmp_path, n)
     cache_a, cache_b = tmp_path / "a", tmp_path / "b"
@@ -157,14 +199,17 @@ def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact
         b = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_b), "--metrics-port", "0"])
         os.makedirs(cache_b / "orders", exist_ok=True)   # (the feeder made it at start)
         name = f"randperm-fwd-n{n}-s5.u32"
-        holder = hold_lock(cache_b / "orders" / (name + ".lock"), 6)
-        want = torch_rank_ids(n, 2, 1, 5)
-        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=2, seq_len=1, micro_batch=16,
+        holder = hold_lock(cache_b / "orders" / (name + ".lock"), 10)
+        world = 512
+        assert EARLY_POSITIONS // world < 16 * 200
+        want = torch_rank_ids(n, world, 1, 5)
+        ds = FeederDataset([a.address, b.address], job="fo", rank=1, world_size=world, seq_len=1, micro_batch=16,
                            seed=5, idle_timeout_s=4, retry_for_s=60, prefer="order", read_ahead=2, max_read_ahead=2)
         got, t_kill = [], None
         for batch in ds:
             got += batch.sample_ids.tolist()
-            if len(got) == 64:
+            if len(got) == 64:   # (served from A's early part: A's whole order is on its disk first)
+                assert [p.name for p in wait_for_build(cache_a / "orders")] == [name]
                 a.signal(signal.SIGKILL)
                 t_kill = time.monotonic()
             if len(got) >= 16 * 200:   # far past what A had sent ahead

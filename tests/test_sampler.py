@@ -1,6 +1,7 @@
 """The pure sampler against torch's DistributedSampler, and elastic re-dealing."""
 import itertools
 
+import numpy as np
 import pytest
 
 from feeder.core import sampler
@@ -109,3 +110,36 @@ def test_epoch_orders_stay_cached_across_many_epochs_within_a_byte_budget(monkey
     assert len(sampler._ORDER_CACHE) == 2 and sampler._order_bytes == 8000
     assert sampler.epoch_order(1000, 9, 49, True) is first[49]
     assert sampler.epoch_order(1000, 9, 0, True) is not first[0]   # evicted, drawn again
+
+
+def test_reach_keeps_a_stream_in_whole_batches_of_an_early_order_and_no_further():
+    """While a large order is built a stream is served its early part (sampler.Early: the first
+    `known` positions). `reach` gives how far: whole batches only (the last of an epoch may be
+    short), every id in them the whole order's, and the next batch needs a position it lacks
+    (Early then raises OrderPending: the stream waits for the whole). Any segment (base, world),
+    rank, drop_last, start, batch size."""
+    import random
+
+    rng = random.Random(11)
+    for _ in range(4000):
+        n = rng.randrange(1, 3000)
+        world, base, drop = rng.randrange(1, 40), rng.randrange(0, n), rng.random() < 0.5
+        rank, mb = rng.randrange(world), rng.randrange(1, 9)
+        per = sampler.per_rank(n - base, world, drop)
+        if per == 0:
+            continue
+        start = rng.randrange(per)
+        stop = rng.randrange(start + 1, per + 1)
+        whole = np.random.default_rng(rng.randrange(1 << 30)).permutation(n).astype(np.uint32)
+        early = sampler.Early(whole[:rng.randrange(0, n)], n, lambda: "building")
+        seg = dict(base=base, world=world, rank=rank)
+        got = sampler.reach(early, **seg, start=start, stop=stop, per_batch=mb)
+        assert sampler.reach(whole, **seg, start=start, stop=stop, per_batch=mb) == stop
+        assert start <= got <= stop and (got == stop or (got - start) % mb == 0)
+        if got > start:
+            assert np.array_equal(sampler.rank_ids(early, **seg, drop_last=drop, start=start, stop=got),
+                                  sampler.rank_ids(whole, **seg, drop_last=drop, start=start, stop=got))
+        nxt = min(got + mb, stop)
+        if got < stop and rank + (nxt - 1) * world < n - base:   # (past the epoch's end the list cycles: conservative there)
+            with pytest.raises(sampler.OrderPending, match="building"):
+                sampler.rank_ids(early, **seg, drop_last=drop, start=got, stop=nxt)

@@ -251,6 +251,18 @@ def torch_randperm(n: int, seed: int, kind: str, out: np.ndarray | None = None,
     return out, stopped
 
 
+def torch_prefix(n: int, k: int, seed: int, kind: str, progress: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+    """The ids at positions [0, k) of torch_randperm(n, seed, kind), without drawing the rest
+    (feeder/_shuffle.c: O(k) for the forward loop; all n draws but no array of n for the
+    inside-out one, ~7x faster than the whole) -> (ids of order_dtype(n), stopped). `progress`
+    as torch_randperm's. What a large order's ranks are served while the whole is built."""
+    if _c is None:
+        raise FailedPrecondition(why_not_served(kind or "torch"), elsewhere=True)
+    out = np.empty(min(k, n), dtype=order_dtype(n))
+    stopped = _c.prefix(out, n, seed % (1 << 64), inside_out(kind, n), progress)
+    return out, stopped
+
+
 # -- what a stored order must satisfy (feeder.domain.order_store verifies its files by these) --
 
 try:

@@ -221,14 +221,7 @@ class StreamPlan(PlanBase):
         s, n, mb = self.spec, self.n, self.spec.micro_batch
         epoch, end = self.start.epoch, s.end_epoch
         while epoch < end:
-            while True:   # an order being built: the rank is told so, and asks again
-                try:
-                    ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation, self.orders)
-                    break
-                except sampler.OrderPending as e:
-                    self.waiting = str(e)
-                    yield PENDING
-            self.waiting = ""
+            ids_of = yield from self._order(epoch, early=True)
             if epoch + 1 < end:   # the next epoch's order is built while this one is served
                 sampler.prepare_order(n, s.seed, epoch + 1, s.shuffle, s.permutation, self.orders)
             if epoch == self.start.epoch:
@@ -238,6 +231,11 @@ class StreamPlan(PlanBase):
             per = sampler.per_rank(n - base, world, s.drop_last)
             while pos < per:
                 stop = min(pos + max_batches * mb, per)
+                # The early part of an order still being built holds the first batches; past it, the whole.
+                stop = sampler.reach(ids_of, base=base, world=world, rank=s.rank, start=pos, stop=stop, per_batch=mb)
+                if stop == pos:
+                    ids_of = yield from self._order(epoch, early=False)
+                    continue
                 ids = sampler.rank_ids(ids_of, base=base, world=world, rank=s.rank, drop_last=s.drop_last,
                                        start=pos, stop=stop)
                 # Batch j ends at pos + (j + 1) * mb; only an epoch's last batch may be short.
@@ -247,6 +245,20 @@ class StreamPlan(PlanBase):
                 step += len(stops)
                 pos = stop
             epoch += 1
+
+    def _order(self, epoch: int, early: bool):
+        """The epoch's order (with `early`, maybe only its first positions: sampler.Early),
+        yielding PENDING while it is being built: the rank is told so, and asks again."""
+        s = self.spec
+        while True:
+            try:
+                got = sampler.epoch_order(self.n, s.seed, epoch, s.shuffle, s.permutation, self.orders, early)
+                break
+            except sampler.OrderPending as e:
+                self.waiting = str(e)
+                yield PENDING
+        self.waiting = ""
+        return got
 
     def batches(self) -> Iterator[PlannedBatch]:
         s = self.spec

@@ -50,7 +50,47 @@ class OrderPending(Exception):
     plan says so to its rank and asks again (str(e) says what is being built, how far)."""
 
 
-def _draw_in_memory(n: int, seed: int, kind: str):
+class Early:
+    """The first `known` positions of an epoch's order whose whole is still being built (the
+    order store draws them apart, in a fraction of the build: feeder.core.order.torch_prefix):
+    served meanwhile, so a rank's first batch does not wait for an O(n) shuffle. An order like
+    any other (`len`, `order[positions]`) for positions it has; any other raises OrderPending
+    (`pending()` says how far the whole is). `reach` keeps a stream's runs within it."""
+
+    def __init__(self, ids: np.ndarray, n: int, pending):
+        self.ids, self.n, self.known, self.pending = ids, n, len(ids), pending
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            r = range(*key.indices(self.n))
+            if r and max(r[0], r[-1]) >= self.known:
+                raise OrderPending(self.pending())
+            return self.ids[r.start:r.stop if r.stop >= 0 else None:r.step]
+        at = np.asarray(key)
+        if at.size and int(at.max()) >= self.known:
+            raise OrderPending(self.pending())
+        return self.ids[at]
+
+
+def reach(order, *, base: int, world: int, rank: int, start: int, stop: int, per_batch: int) -> int:
+    """How far positions [start, stop) of `rank`'s list in segment (base, world) can be served
+    from `order`: `stop` when it is whole; when it is Early, the end of the last whole batch of
+    `per_batch` (counted from `start`) whose ids it has: `start` when not one (then the stream
+    waits for the whole). Padding (the list cycling back to its start) only follows the last
+    position of the epoch, which an Early order never has."""
+    known = getattr(order, "known", None)
+    if known is None:
+        return stop
+    have = (known - base - rank + world - 1) // world   # positions j of the list with base + rank + j*world < known
+    if have >= stop:
+        return stop
+    return start + max(0, have - start) // per_batch * per_batch
+
+
+def _draw_in_memory(n: int, seed: int, kind: str, early: bool = False):
     return order.torch_randperm(n, seed, kind)[0]
 
 
@@ -66,20 +106,21 @@ def prepare_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "", 
         orders.prepare(n, seed + epoch, kind)
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "", orders=None):
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, kind: str = "", orders=None, early: bool = False):
     """The epoch's global order of sample ids (an order: `order[positions]`, `len(order)`).
 
     `kind` is the permutation (feeder.core.order.kinds()): torch's (materialized: cached here when
     small, the order store's when large, so every rank of a job and every job with the same
     (n, seed + epoch) share one) or stateless (computed per position). Raises OrderPending
-    while a large torch order is being built."""
+    while a large torch order is being built; with `early`, gives its first positions (Early)
+    as soon as they are drawn instead, to a caller that keeps within them (`reach`)."""
     if not shuffle:
         return order.Identity(n)
     k = order.kind_of(kind)
     if not k.materialized:   # computed per position: nothing to draw or keep
         return k.make(n, seed + epoch)
     if n > SMALL_ORDER and k.torch:   # built once into the cache directory (the order store)
-        return (orders.get if orders is not None else _draw_in_memory)(n, seed + epoch, kind)
+        return (orders.get if orders is not None else _draw_in_memory)(n, seed + epoch, kind, early)
     return _cached(n, seed + epoch, kind)
 
 

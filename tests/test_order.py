@@ -5,7 +5,7 @@ Large corpora are sparse files (`truncate`): they cost no disk. Real `feeder ser
 real gRPC; torch's own randperm (in this process) is the oracle."""
 from __future__ import annotations
 
-import fcntl
+import dataclasses
 import os
 import random
 import signal
@@ -24,7 +24,7 @@ from feeder.core.errors import Code, FeederError
 from feeder.core.order import TORCH_INSIDE_OUT_FROM as T
 from feeder.domain.order_store import EARLY_POSITIONS
 from feeder_client import FeederDataset
-from tests.helpers import FeederProc
+from tests.helpers import FeederProc, reference_ids
 
 VOCAB = ["--vocab-size", "256", "--eos-id", "0"]
 
@@ -174,6 +174,85 @@ def test_an_orders_early_part_is_its_first_positions_for_both_loops_at_any_n():
         assert stopped and time.monotonic() - t0 < 2
 
 
+class _EarlyThenWhole:
+    """An order store whose builds take `slow` asks each: until then get(early=True) gives the
+    first `known` positions (none: OrderPending), get() OrderPending; then the whole order."""
+
+    def __init__(self, known: int, slow: int):
+        self.known, self.slow, self.asked = known, slow, {}
+
+    def prepare(self, n, seed, kind):
+        pass
+
+    def get(self, n, seed, kind, early=False):
+        whole = order.torch_randperm(n, seed, kind)[0]
+        asks = self.asked[n, seed] = self.asked.get((n, seed), 0) + 1
+        if asks > self.slow:
+            return whole
+        if early and self.known:
+            return sampler.Early(whole[:self.known], n, lambda: "building")
+        raise sampler.OrderPending("building")
+
+
+def _planned(spec, n, cursor, orders, stop_after=None):
+    """(ids of each batch, the cursor after each) of a stream's plan, PENDING waited through (as
+    the pipeline does), up to `stop_after` batches."""
+    from feeder.core.planning import PENDING, StreamPlan
+
+    plan = StreamPlan(spec, n_tokens=n * spec.seq_len + 1, fingerprint="f", cursor=cursor, orders=orders)
+    out = []
+    for run in plan.runs(max_batches=5):
+        if run is PENDING:
+            continue
+        at = run.start
+        for j, stop in enumerate(run.stops.tolist()):
+            c = Cursor(job=spec.job, fingerprint="f", seed=spec.seed, shuffle=True, drop_last=spec.drop_last,
+                       seq_len=spec.seq_len, world_size=run.world, rank=spec.rank, epoch=run.epoch, base=run.base,
+                       pos=stop, step=run.step + j + 1, permutation=plan.spec.permutation)
+            out.append((run.ids[at - run.start:stop - run.start].tolist(), c))
+            at = stop
+            if stop_after is not None and len(out) >= stop_after:
+                return out
+    return out
+
+
+def test_streams_served_an_early_part_are_the_streams_of_the_whole_order_in_every_combination(monkeypatch):
+    """Seeded scenarios (n, world, rank, micro_batch, drop_last, epochs; a resume from a cursor
+    anywhere, with or without a reshard to another world size; an early part of any length, none
+    included, and builds that take any number of asks) planned with the early part and without:
+    every batch the same ids at the same steps, the stream without it being DistributedSampler's
+    (checked against torch's own class where nothing is resumed)."""
+    from feeder.core.config import StreamSpec
+
+    monkeypatch.setattr(sampler, "SMALL_ORDER", 8)   # every order here is the order store's
+    rng = random.Random(3601)
+    for case in range(300):
+        n, world = rng.randrange(9, 700), rng.randrange(1, 9)
+        spec = StreamSpec(job="e", rank=rng.randrange(world), world_size=world, seq_len=1,
+                          micro_batch=rng.randrange(1, 7), seed=rng.randrange(100), drop_last=rng.random() < 0.5,
+                          num_epochs=rng.randrange(1, 4), permutation="torch")
+        if sampler.per_rank(n, world, spec.drop_last) == 0:
+            continue
+        early = _EarlyThenWhole(rng.choice([0, 1, rng.randrange(1, n), n - 1]), rng.randrange(0, 6))
+        want = _planned(spec, n, None, _EarlyThenWhole(0, 0))
+        got = _planned(spec, n, None, early)
+        assert [b for b, _ in got] == [b for b, _ in want], case
+        if rng.random() < 0.3:
+            ref = [i for e in range(spec.num_epochs) for i in reference_ids(
+                n, world, spec.rank, shuffle=True, seed=spec.seed, drop_last=spec.drop_last, epoch=e)]
+            assert [i for b, _ in want for i in b] == ref, case
+        if len(want) < 2:
+            continue
+        _, cursor = want[rng.randrange(len(want) - 1)]   # resumed there (all ranks: a reshard is lockstep)
+        if rng.random() < 0.5:
+            spec = dataclasses.replace(spec, world_size=(w := rng.randrange(1, 9)), rank=rng.randrange(w), reshard=True)
+            if sampler.per_rank(n, w, spec.drop_last) == 0:
+                continue
+        early = _EarlyThenWhole(rng.choice([0, 1, rng.randrange(1, n), n - 1]), rng.randrange(0, 6))
+        assert [b for b, _ in _planned(spec, n, cursor, early)] == \
+            [b for b, _ in _planned(spec, n, cursor, _EarlyThenWhole(0, 0))], case
+
+
 def hold_lock(path, seconds: float) -> subprocess.Popen:
     """Another process that holds the build lock of `path` (as a builder elsewhere would)."""
     code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+b'); fcntl.flock(f, fcntl.LOCK_EX); "
@@ -279,8 +358,6 @@ def test_a_cursor_naming_a_permutation_a_feeder_lacks_is_refused_and_the_rank_mo
         it = iter(ds)
         assert next(it).sample_ids.tolist() == first[1].sample_ids.tolist()
         ds.client.close()
-
-        import dataclasses
 
         c = Cursor.decode(first[0].cursor, b"")
         with pytest.MonkeyPatch.context() as mp:   # a newer feeder's kind, at cursor byte 9 (known here only)

@@ -309,8 +309,9 @@ def test_failover_from_a_feeder_with_the_order_to_one_still_building_it_is_exact
 
 
 def test_status_shows_a_build_and_sigterm_ends_it_at_once(tmp_path):
-    """A feeder building a 10^9-sample order shows it in `feeder status`; SIGTERM ends the feeder
-    within seconds, build or not (it went on building for minutes before)."""
+    """A feeder building a 10^9-sample order shows it in `feeder status`, and serves the rank its
+    first batch meanwhile (from the order's early part); SIGTERM ends the feeder within seconds,
+    build or not (it went on building for minutes before)."""
     n = 10**9
     f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--cache-dir", str(tmp_path / "cache")])
     try:
@@ -318,13 +319,18 @@ def test_status_shows_a_build_and_sigterm_ends_it_at_once(tmp_path):
         it = iter(ds)
         import threading
 
-        threading.Thread(target=lambda: next(it, None), daemon=True).start()
-        deadline, text = time.monotonic() + 30, ""
-        while time.monotonic() < deadline and "building the epoch's order" not in text:
+        first = []
+        threading.Thread(target=lambda: first.append(next(it, None)), daemon=True).start()
+        deadline, text = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and not ("building the epoch's order" in text and first):
             time.sleep(0.5)
             text = subprocess.run([sys.executable, "-m", "feeder.cli", "status", "--target", f.address],
                                   capture_output=True, text=True, timeout=30).stdout
-        assert "building the epoch's order of 1,000,000,000 samples" in text.replace("\n", " "), text
+        text = " ".join(text.split())
+        assert "building the epoch's order of 1,000,000,000 samples" in text, text
+        # the rank's first batch came while it was built: from its early part, all 10^9 draws made (~3 s)
+        assert "its first 1,048,576 positions served meanwhile" in text, text
+        assert first[0].sample_ids.tolist() == order.torch_prefix(n, 25, 0, "torch")[0][0:25:8].tolist()[:4]
         t0 = time.monotonic()
         f.proc.send_signal(signal.SIGTERM)
         f.proc.wait(15)

@@ -222,14 +222,23 @@ class StreamPlan(PlanBase):
         epoch, end = self.start.epoch, s.end_epoch
         while epoch < end:
             ids_of = yield from self._order(epoch, early=True)
-            if epoch + 1 < end:   # the next epoch's order is built while this one is served
-                sampler.prepare_order(n, s.seed, epoch + 1, s.shuffle, s.permutation, self.orders)
+            ahead = epoch + 1 >= end   # the next epoch's order asked for (or none to ask for)
             if epoch == self.start.epoch:
                 base, world, pos, step = self.start.base, self.start.world, self.start.pos, self.start.step
             else:
                 base, world, pos, step = 0, s.world_size, 0, 0
             per = sampler.per_rank(n - base, world, s.drop_last)
             while pos < per:
+                if isinstance(ids_of, sampler.Early):   # the whole takes over once it is built
+                    try:
+                        ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation, self.orders, True)
+                    except sampler.OrderPending:
+                        pass
+                if not ahead and not isinstance(ids_of, sampler.Early):
+                    # The next epoch's order is built while this one is served, once this one is
+                    # whole: not beside its build (two orders' memory at once: outside review).
+                    sampler.prepare_order(n, s.seed, epoch + 1, s.shuffle, s.permutation, self.orders)
+                    ahead = True
                 stop = min(pos + max_batches * mb, per)
                 # The early part of an order still being built holds the first batches; past it, the whole.
                 stop = sampler.reach(ids_of, base=base, world=world, rank=s.rank, start=pos, stop=stop, per_batch=mb)

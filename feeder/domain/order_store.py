@@ -64,7 +64,7 @@ RETRY_S = 5.0           # a failed build (disk full, permissions) is tried again
 # 4 MB of uint32): a rank's list in them is EARLY_POSITIONS / world samples, minutes of training
 # for the ranks of a large job while the whole (a few seconds at 10^8, minutes at 10^10) is built.
 EARLY_POSITIONS = 1 << 20
-EARLY_WAIT_S = 1.0      # how long the first asks wait for them (see _early)
+EARLY_WAIT_S = 1.0      # how long the first to ask waits for them (see _early)
 HUGE_FROM = 256 << 20   # orders this large are drawn on huge pages (below, the page tables fit in cache)
 WRITE_CHUNK = 64 << 20  # the huge-page build is written out and freed in parts this large
 
@@ -218,7 +218,11 @@ class OrderStore:
             b = self._builds.get(name)
             if b is not None and (not b.error or time.monotonic() - b.failed_at < RETRY_S):
                 return b   # (a failed build is tried again RETRY_S after it failed, not at every poll)
-            b = self._builds[name] = Build(name=name, n=n)
+            old, b = b, Build(name=name, n=n)
+            self._builds[name] = b
+            if old is not None and old.early is not None:   # (a failed build's early part: still the order's)
+                b.early, b.early_started = old.early, old.early_started
+                b.early_done.set()
             if self._stopped:
                 b.progress[1] = b.early_progress[1] = 1
             t = threading.Thread(target=self._build, args=(b, seed, kind), name=f"feeder-order-{n}", daemon=True)
@@ -227,10 +231,14 @@ class OrderStore:
         return b
 
     def _early(self, b: Build, seed: int, kind: str) -> np.ndarray | None:
-        """b's first positions, once drawn; their drawing is started by the first to ask. Callers
-        wait for them up to EARLY_WAIT_S from that start (the forward loop's take milliseconds,
-        the inside-out loop's 0.74 s at 2.4*10^8: within it, a first batch is not put off to
-        the stream's next poll), then get None (the stream says so, and asks again)."""
+        """b's first positions, once drawn (else None: the stream says so, and asks again).
+        The first to ask starts their drawing and waits for it up to EARLY_WAIT_S (the forward
+        loop's take milliseconds, the inside-out loop's 0.74 s at 2.4*10^8: within it that
+        rank's first batch is not put off to its stream's next poll). Only that one: the
+        others return at once, so a new large order holds one thread of the feeder's shared
+        pool for at most EARLY_WAIT_S, not every thread its ranks ask on (outside review: a
+        job of 8 ranks starting on a 10^9 order held all 4 for a second, and another job's
+        first batch waited 0.8 s)."""
         with self._lock:
             start = not b.early_started
             if start:
@@ -240,7 +248,7 @@ class OrderStore:
                 self._threads[b.name + "#early"] = t
         if start:
             t.start()
-        b.early_done.wait(max(0.0, b.early_started + EARLY_WAIT_S - time.monotonic()))
+            b.early_done.wait(EARLY_WAIT_S)
         return b.early
 
     def _draw_early(self, b: Build, seed: int, kind: str) -> None:

@@ -33,9 +33,14 @@ static void mt_seed(mt_t *m, uint32_t seed) {
 
 /* The twist in its three ranges, without a modulo per word (the draws are half of a build's
  * time, and `% MT_N` in the loop made them twice as slow), then all 624 words tempered in one
- * loop the compiler vectorizes (a third faster than tempering each word as it is drawn). */
+ * loop the compiler vectorizes (a third faster than tempering each word as it is drawn); the
+ * twist is compiled twice, for AVX2 and without, chosen at load (0.74 -> 0.62 s for the early part
+ * of 2.4*10^8 ids, 4.9 -> 4.4 s for the whole, on this host). */
 #define MT_TW(j, j1, jm) { uint32_t y = (s[j] & 0x80000000u) | (s[j1] & 0x7fffffffu); \
                            s[j] = s[jm] ^ (y >> 1) ^ (-(y & 1u) & 0x9908b0dfu); }
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))   /* 8 words a step where the CPU has AVX2 */
+#endif
 static void mt_twist(mt_t *m) {
     uint32_t *s = m->s;
     int j = 0;

@@ -38,7 +38,7 @@ static void mt_seed(mt_t *m, uint32_t seed) {
  * of 2.4*10^8 ids, 4.9 -> 4.4 s for the whole, on this host). */
 #define MT_TW(j, j1, jm) { uint32_t y = (s[j] & 0x80000000u) | (s[j1] & 0x7fffffffu); \
                            s[j] = s[jm] ^ (y >> 1) ^ (-(y & 1u) & 0x9908b0dfu); }
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__)   /* (ifuncs: glibc) */
 __attribute__((target_clones("avx2", "default")))   /* 8 words a step where the CPU has AVX2 */
 #endif
 static void mt_twist(mt_t *m) {

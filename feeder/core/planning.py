@@ -231,7 +231,8 @@ class StreamPlan(PlanBase):
             while pos < per:
                 if isinstance(ids_of, sampler.Early):   # the whole takes over once it is built
                     try:
-                        ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation, self.orders, True)
+                        ids_of = sampler.epoch_order(n, s.seed, epoch, s.shuffle, s.permutation, self.orders,
+                                                     early=True)
                     except sampler.OrderPending:
                         pass
                 if not ahead and not isinstance(ids_of, sampler.Early):
@@ -261,7 +262,7 @@ class StreamPlan(PlanBase):
         s = self.spec
         while True:
             try:
-                got = sampler.epoch_order(self.n, s.seed, epoch, s.shuffle, s.permutation, self.orders, early)
+                got = sampler.epoch_order(self.n, s.seed, epoch, s.shuffle, s.permutation, self.orders, early=early)
                 break
             except sampler.OrderPending as e:
                 self.waiting = str(e)

@@ -284,38 +284,53 @@ def test_review_the_next_epochs_order_is_built_once_this_ones_is_whole_not_besid
 def test_review_only_the_first_rank_to_ask_waits_for_an_early_part(tmp_path, monkeypatch):
     """Outside review: every rank asking for a new large order waited up to a second on a thread
     of the feeder's shared pool for its early part (a job of 8 ranks held all 4, and another
-    job's first batch waited 0.8 s). Now the first to ask waits; the others are told to ask
-    again at once. A build tried again after a failure keeps the early part drawn before."""
+    job's first batch waited 0.8 s). Now the first to ask waits (up to EARLY_WAIT_S); the others
+    are told to ask again at once. A build tried again after a failure keeps the early part."""
+    import threading
+
     from feeder.domain import order_store as store
 
     n = sampler.SMALL_ORDER + 7
     st = store.OrderStore(str(tmp_path))
-    holder = hold_lock(tmp_path / "orders" / (st.name(n, 5, "torch") + ".lock"), 20)   # (the whole: elsewhere)
+    name = st.name(n, 5, "torch")
+    holder = hold_lock(tmp_path / "orders" / (name + ".lock"), 30)   # (the whole: built elsewhere)
     real = store.order.torch_prefix
 
-    def slow(*a, **k):
-        time.sleep(0.6)
+    def slow(*a, **k):   # (drawn more slowly than the first asker waits)
+        time.sleep(store.EARLY_WAIT_S + 0.5)
         return real(*a, **k)
 
     monkeypatch.setattr(store.order, "torch_prefix", slow)
     try:
-        import threading
-
         first = []
-        t = threading.Thread(target=lambda: first.append(st.get(n, 5, "torch", early=True)))
+
+        def ask():
+            t0 = time.monotonic()
+            try:
+                first.append(st.get(n, 5, "torch", early=True))
+            except sampler.OrderPending as e:
+                first.append(e)
+            first.append(time.monotonic() - t0)
+
+        t = threading.Thread(target=ask)
         t.start()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while not (name in st._builds and st._builds[name].early_started) and time.monotonic() < deadline:
+            time.sleep(0.01)
         t0 = time.monotonic()
         with pytest.raises(sampler.OrderPending, match="waiting for another process"):
-            st.get(n, 5, "torch", early=True)
-        assert time.monotonic() - t0 < 0.3
-        t.join(5)
-        assert isinstance(first[0], sampler.Early) and first[0].known == EARLY_POSITIONS
-        assert np.array_equal(first[0].ids, real(n, EARLY_POSITIONS, 5, "torch")[0])
-        b = st._builds[st.name(n, 5, "torch")]
+            st.get(n, 5, "torch", early=True)   # (another rank: told at once)
+        assert time.monotonic() - t0 < 0.5
+        t.join(10)
+        assert isinstance(first[0], sampler.OrderPending) and first[1] >= store.EARLY_WAIT_S - 0.05   # (it waited)
+        b = st._builds[name]
+        assert b.early_done.wait(10)
+        got = st.get(n, 5, "torch", early=True)
+        assert isinstance(got, sampler.Early) and got.known == EARLY_POSITIONS
+        assert np.array_equal(got.ids, real(n, EARLY_POSITIONS, 5, "torch")[0])
         b.error, b.failed_at = "disk full", time.monotonic() - store.RETRY_S
         again = st.get(n, 5, "torch", early=True)   # (a new build: the early part carried over, not drawn again)
-        assert st._builds[st.name(n, 5, "torch")] is not b and again.ids is first[0].ids
+        assert st._builds[name] is not b and again.ids is got.ids
     finally:
         holder.kill()
         st.stop()

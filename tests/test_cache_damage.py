@@ -244,8 +244,8 @@ def test_a_builder_sigkilled_mid_build_leaves_no_part_and_no_stale_lock_after_a_
     n = 60_000_000
     script = ("import sys, time\n"
               "import feeder.domain.order_store as store\n"
-              "store._huge_pages_for = lambda size: False\n"   # drawn straight into the cache directory
-              "store._shm_dir = lambda size: None\n"
+              "store.huge_pages_for = lambda size: False\n"   # drawn straight into the cache directory
+              "store.shm_dir = lambda size: None\n"
               "st = store.OrderStore(sys.argv[1])\n"
               f"st.prepare({n}, 1, 'torch')\n"
               "time.sleep(60)\n")
@@ -272,7 +272,7 @@ def test_a_build_under_way_counts_against_the_cache_budget(tmp_path):
     st = store.OrderStore(str(tmp_path), max_bytes=64 << 20)
     old = tmp_path / "orders" / "randperm-fwd-n5000000-s1.u32"
     old.write_bytes(b"\0" * (20 << 20))
-    part = tmp_path / "orders" / f".randperm-fwd-n9-s9.u32.{store._HOST}.{os.getpid()}.part"
+    part = tmp_path / "orders" / f".randperm-fwd-n9-s9.u32.{store.HOST}.{os.getpid()}.part"
     with open(part, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 40 << 20)
     st._make_room(8 << 20)

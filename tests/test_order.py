@@ -608,11 +608,11 @@ def test_review_a_truncated_order_file_is_built_again_and_an_orphaned_build_remo
     orders.mkdir(parents=True)
     (orders / name).write_bytes(b"\0" * 1000)
     from feeder.domain import order_store as store
-    from feeder.domain.order_store import _HOST
+    from feeder.domain.order_store import HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    orphan = orders / f".{name}.{_HOST}.{dead.pid}.part"
+    orphan = orders / f".{name}.{HOST}.{dead.pid}.part"
     orphan.write_bytes(b"\0" * 4096)
     f = FeederProc(flat_corpus(tmp_path, n), extra=[*VOCAB, "--cache-dir", str(tmp_path / "cache")])
     try:
@@ -793,7 +793,7 @@ def test_review2_a_cache_filesystem_that_fills_during_a_build_is_an_error_not_a_
     script = (
         "import sys, time\n"
         "import feeder.domain.order_store as store\n"
-        f"store._huge_pages_for = lambda size: {huge}\n"
+        f"store.huge_pages_for = lambda size: {huge}\n"
         "from feeder.domain.order_store import OrderStore\n"
         "from feeder.core.sampler import OrderPending\n"
         "st = OrderStore(sys.argv[1])\n"
@@ -818,7 +818,7 @@ def test_the_order_store_builds_torchs_order_either_way_and_leaves_no_scratch(tm
     whose parts are not whole: 3 parts and 4 bytes), and nothing left beside the order."""
     import feeder.domain.order_store as store
 
-    monkeypatch.setattr(store, "_huge_pages_for", lambda size: huge)
+    monkeypatch.setattr(store, "huge_pages_for", lambda size: huge)
     monkeypatch.setattr(store, "WRITE_CHUNK", 1 << 20)
     n, seed = 3 * (1 << 18) + 1, 11
     st = store.OrderStore(str(tmp_path))
@@ -853,9 +853,9 @@ def test_review3_a_disk_cache_that_fills_while_the_order_is_copied_onto_it_keeps
             f.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "_huge_pages_for", lambda size: False)
-    monkeypatch.setattr(store, "_memory_backed", lambda path: False)   # the cache is "on a disk"
-    monkeypatch.setattr(store, "_shm_dir", lambda size: str(tmp_path / "shm"))
+    monkeypatch.setattr(store, "huge_pages_for", lambda size: False)
+    monkeypatch.setattr(store, "memory_backed", lambda path: False)   # the cache is "on a disk"
+    monkeypatch.setattr(store, "shm_dir", lambda size: str(tmp_path / "shm"))
     monkeypatch.setattr(store.shutil, "copyfile", full)
     (tmp_path / "shm").mkdir()
     st = store.OrderStore(str(tmp_path / "cache"))

@@ -38,12 +38,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import logging
 import mmap
 import os
 import shutil
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,10 +49,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from feeder.core import order
-from feeder.core.errors import FailedPrecondition, InvalidArgument
+from feeder.core.errors import FailedPrecondition
 from feeder.core.sampler import Early, OrderPending
 from feeder.domain import order_file
 from feeder.domain.order_file import TRAILER
+from feeder.domain.order_space import HOST, huge_pages_for, memory_backed, orders_directory, remove_orphans, shm_dir
 from feeder.sources import cache
 
 log = logging.getLogger("feeder.orders")
@@ -65,7 +64,6 @@ RETRY_S = 5.0           # a failed build (disk full, permissions) is tried again
 # for the ranks of a large job while the whole (a few seconds at 10^8, minutes at 10^10) is built.
 EARLY_POSITIONS = 1 << 20
 EARLY_WAIT_S = 1.0      # how long the first to ask waits for them (see _early)
-HUGE_FROM = 256 << 20   # orders this large are drawn on huge pages (below, the page tables fit in cache)
 WRITE_CHUNK = 64 << 20  # the huge-page build is written out and freed in parts this large
 
 
@@ -102,7 +100,7 @@ class OrderStore:
 
     def __init__(self, cache_dir: str, *, max_bytes: int = 64 << 30):
         self.dir = orders_directory(cache_dir)
-        _remove_orphans(self.dir)
+        remove_orphans(self.dir)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._mapped: dict[str, np.ndarray] = {}      # name -> the file's mapping (read-only)
@@ -314,16 +312,16 @@ class OrderStore:
     def _draw(self, b: Build, path: str, seed: int, kind: str) -> None:
         n, dtype = b.n, order.order_dtype(b.n)
         size = n * dtype.itemsize
-        _remove_orphans(self.dir)   # (a builder SIGKILLed since this process started: its part holds room)
+        remove_orphans(self.dir)   # (a builder SIGKILLed since this process started: its part holds room)
         self._make_room(size + TRAILER.size)
-        huge = _huge_pages_for(size)
+        huge = huge_pages_for(size)
         # A rank waiting for the early part has it sooner with a core to itself (on a 2-core host
         # the two draws at once put a first batch at 2.4*10^8 off by a fifth); the whole waits
         # for it at most EARLY_WAIT_S.
         if b.early_started:
             b.early_done.wait(max(0.0, b.early_started + EARLY_WAIT_S - time.monotonic()))
-        scratch_dir = self.dir if huge or _memory_backed(self.dir) else _shm_dir(size) or self.dir
-        scratch = os.path.join(scratch_dir, f".{b.name}.{_HOST}.{os.getpid()}.part")   # (see _remove_orphans)
+        scratch_dir = self.dir if huge or memory_backed(self.dir) else shm_dir(size) or self.dir
+        scratch = os.path.join(scratch_dir, f".{b.name}.{HOST}.{os.getpid()}.part")   # (see order_space.remove_orphans)
         fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         log.info("order %s: building %s (%.1f GiB) %s", b.name, f"{n:,} ids", size / 2**30,
                  "on huge pages" if huge else f"in {scratch_dir}")
@@ -395,7 +393,7 @@ class OrderStore:
         # Room first, so a full filesystem fails now and not after a draw of 30 s (drawn again
         # and again). On a disk the blocks are reserved; on tmpfs reserving them would hold
         # the order twice while it is drawn, so there free space is checked instead.
-        if _memory_backed(where):
+        if memory_backed(where):
             st = os.fstatvfs(f.fileno())
             if st.f_bavail * st.f_frsize < size:
                 raise OSError(errno.ENOSPC, f"No space left on device: the order needs {size:,} bytes, "
@@ -465,97 +463,3 @@ class OrderStore:
 
 class _Stopped(Exception):
     pass
-
-
-def orders_directory(cache_dir: str) -> str:
-    """The cache directory's orders/, made if missing (InvalidArgument when it cannot be: a
-    file, no permission, a read-only filesystem are the operator's to fix)."""
-    path = os.path.join(cache_dir, "orders")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise InvalidArgument(f"--cache-dir {cache_dir}: {e.strerror}; expected a directory this user can create "
-                              "and write") from None
-    return path
-
-
-_HOST = socket.gethostname().replace(".", "_")
-
-
-def _remove_orphans(cache: str) -> None:
-    """Partial orders whose builder on this host is gone (SIGKILL, a crash): a build in
-    /dev/shm holds memory until its file is removed. Named .NAME.HOST.PID.part; another host's
-    are left to that host (its pids mean nothing here)."""
-    for where in (cache, "/dev/shm"):
-        for path in glob.glob(os.path.join(where, f".randperm-*.{_HOST}.*.part")):
-            pid = path.rsplit(".", 2)[-2]
-            try:
-                os.kill(int(pid), 0)
-                continue   # (alive: its own build)
-            except ProcessLookupError:
-                pass
-            except (ValueError, PermissionError):
-                continue
-            try:
-                os.unlink(path)
-                log.info("order cache: removed %s, left by a build that did not finish", path)
-            except OSError:
-                pass
-    # Lock and progress files of builds nobody holds (the builder was killed): a lock no process
-    # holds is taken here for a moment and removed. (A process that opened it just before may
-    # still take it and build: then two build the same order, each under its own part name, and
-    # the second rename puts the same bytes in place. Never a wrong order, and rare.)
-    for lock_path in glob.glob(os.path.join(cache, "randperm-*.lock")):
-        try:
-            with open(lock_path, "a+b") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                for stale in (lock_path, lock_path[:-len(".lock")] + ".progress"):
-                    if os.path.exists(stale):
-                        os.unlink(stale)
-        except (BlockingIOError, OSError):
-            continue   # (held: a build under way, here or on another host)
-
-
-def _memory_backed(path: str) -> bool:
-    return _fs_type(path) in ("tmpfs", "ramfs")
-
-
-def _fs_type(path: str) -> str:
-    """The filesystem type of `path` from /proc/mounts (longest mount point that holds it)."""
-    path = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
-                        and len(parts[1]) > len(best):
-                    best, kind = parts[1], parts[2]
-    except OSError:
-        pass
-    return kind
-
-
-def _huge_pages_for(size: int) -> bool:
-    """Draw an order of `size` bytes on huge pages: a large one, where the kernel gives
-    transparent huge pages to madvise (or always), with the memory for it twice over."""
-    if size < HUGE_FROM:
-        return False
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[never]" in f.read():
-                return False
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return False
-    return available > 2 * size
-
-
-def _shm_dir(size: int) -> str | None:
-    """/dev/shm when it has room for a build twice over (else build in the cache directory)."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return "/dev/shm" if st.f_bavail * st.f_frsize > 2 * size else None

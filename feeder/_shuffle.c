@@ -140,7 +140,7 @@ static int inside_out(void *r, int w, int64_t n, mt_t *m, volatile int64_t *prog
  * inside-out: position p < k is written at step p (from a place <= p) and then only by steps
  *   i > p that draw z = p (r[z] = i); places >= k never flow back below k. So the loop runs on
  *   an array of k with every later step reduced to "if z < k: r[z] = i": all n draws are still
- *   made (they are sequential), but no array of n is touched: ~0.7 s at 2.4*10^8 against ~5 s. */
+ *   made (they are sequential), but no array of n is touched: 0.62 s at 2.4*10^8 against 4.4 s. */
 static int forward_prefix(void *r, int w, int64_t k, int64_t n, mt_t *m, volatile int64_t *progress) {
     for (int64_t i = 0; i < k; i++) st(r, w, i, (uint64_t)i);
     int64_t steps = k < n - 1 ? k : n - 1;

@@ -82,6 +82,10 @@ class Build:
     early_done: threading.Event = field(default_factory=threading.Event)
     early_progress: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))   # [done, stop]
 
+    def stop(self) -> None:
+        """Its loops, the whole's and the early part's, see the flag within milliseconds."""
+        self.progress[1] = self.early_progress[1] = 1
+
     @property
     def fraction(self) -> float:
         return min(1.0, int(self.progress[0]) / max(self.n, 1))
@@ -157,7 +161,7 @@ class OrderStore:
         with self._lock:
             self._stopped = True
             for b in self._builds.values():
-                b.progress[1] = b.early_progress[1] = 1
+                b.stop()
             threads = list(self._threads.values())
         deadline = time.monotonic() + wait_s
         for t in threads:
@@ -222,7 +226,7 @@ class OrderStore:
                 b.early, b.early_started = old.early, old.early_started
                 b.early_done.set()
             if self._stopped:
-                b.progress[1] = b.early_progress[1] = 1
+                b.stop()
             t = threading.Thread(target=self._build, args=(b, seed, kind), name=f"feeder-order-{n}", daemon=True)
             self._threads[name] = t
         t.start()

@@ -421,6 +421,8 @@ class OrderStore:
                     if b.progress[1]:   # stop() while writing out (SIGTERM): within one part
                         return True
                     f.write(view[at:at + WRITE_CHUNK])
+                    f.flush()
+                    cache.write_back(f.fileno(), at, min(WRITE_CHUNK, size - at))   # (less for the fsync)
                     mm.madvise(mmap.MADV_DONTNEED, at, min(WRITE_CHUNK, size - at))
                 f.write(trailer)
                 f.flush()   # all of it in the file before the file is renamed into place

@@ -9,6 +9,7 @@ before it is served is its own module's (docs/guarantees.md has the table).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -30,6 +31,52 @@ def fsync(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_back(fd: int, at: int, n: int) -> None:
+    """Start writing bytes [at, at + n) of file `fd` to disk now, without waiting (Linux's
+    sync_file_range; elsewhere nothing): an entry written in parts then has little left for
+    the fsync that seals it. Joining 1.3 GB of packing, that fsync took 0.5-1 s after the last
+    part; with each part sent on as it is written, ~0 s. Durability is still the fsync's."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, at, n, 2)   # SYNC_FILE_RANGE_WRITE (an error: the fsync reports it)
+
+
+def copy_range(src: int, src_at: int, dst: int, dst_at: int, n: int) -> bool:
+    """n bytes of file `src` from src_at into file `dst` at dst_at, copied by the kernel from page
+    cache to page cache (copy_file_range). False where the file system or the platform cannot
+    (nothing written: the caller writes the bytes itself); EOFError where `src` ends before.
+    On a 2-vCPU VM the kernel copied 3.5-4 GB/s, writes of the same bytes from a process's
+    buffer 0.45-0.7 GB/s."""
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return False
+    done = 0
+    while done < n:
+        try:
+            got = copy(src, dst, n - done, src_at + done, dst_at + done)
+        except OSError as e:
+            if done == 0 and e.errno in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                return False
+            raise
+        if got == 0:
+            raise EOFError(f"the file ends {n - done:,} bytes before the range copied")
+        done += got
+    return True
+
+
+def _libc_sync_file_range():
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):   # not Linux
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return f
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
 
 
 def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> None:

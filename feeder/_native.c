@@ -1100,42 +1100,20 @@ static PyObject *pieces(PyObject *self, PyObject *args) {
  * and a two-level bitset over the room values finds the smallest room >= an item's length in
  * a few word operations: O(n + capacity) for n items, where a heap or a balanced tree would
  * be O(n log n) with far larger constants (10^7 documents in well under a second). */
-typedef struct {
-    uint64_t *l0, *l1;     /* bit r of l0: a bin with room r is open; bit w of l1: l0 word w is not 0 */
-    int64_t *head, *next;  /* per room, the stack of bins (linked through next) */
-    Py_ssize_t words;
-} rooms_t;
-
-static void room_push(rooms_t *t, int64_t b, uint64_t r) {
-    t->next[b] = t->head[r];
-    t->head[r] = b;
-    t->l0[r >> 6] |= 1ULL << (r & 63);
-    t->l1[r >> 12] |= 1ULL << ((r >> 6) & 63);
-}
-
-static int64_t room_pop(rooms_t *t, uint64_t r) {
-    int64_t b = t->head[r];
-    t->head[r] = t->next[b];
-    if (t->head[r] < 0) {
-        t->l0[r >> 6] &= ~(1ULL << (r & 63));
-        if (!t->l0[r >> 6]) t->l1[r >> 12] &= ~(1ULL << ((r >> 6) & 63));
-    }
-    return b;
-}
-
-static int64_t room_at_least(const rooms_t *t, uint64_t s) {   /* the smallest open room >= s, or -1 */
+static int64_t room_at_least(const uint64_t *l0, const uint64_t *l1, Py_ssize_t words, uint64_t s) {
+    /* the smallest open room >= s, or -1 */
     uint64_t w = s >> 6;
-    if (w >= (uint64_t)t->words) return -1;
-    uint64_t bits = t->l0[w] & (~0ULL << (s & 63));
+    if (w >= (uint64_t)words) return -1;
+    uint64_t bits = l0[w] & (~0ULL << (s & 63));
     if (bits) return (int64_t)((w << 6) + __builtin_ctzll(bits));
     uint64_t w1 = w + 1;
-    Py_ssize_t n1 = (t->words + 63) >> 6;
+    Py_ssize_t n1 = (words + 63) >> 6;
     for (uint64_t sw = w1 >> 6; sw < (uint64_t)n1; sw++) {
-        uint64_t sb = t->l1[sw];
+        uint64_t sb = l1[sw];
         if (sw == (w1 >> 6)) sb &= (w1 & 63) ? (~0ULL << (w1 & 63)) : ~0ULL;
         if (sb) {
             uint64_t word = (sw << 6) + __builtin_ctzll(sb);
-            return (int64_t)((word << 6) + __builtin_ctzll(t->l0[word]));
+            return (int64_t)((word << 6) + __builtin_ctzll(l0[word]));
         }
     }
     return -1;
@@ -1143,57 +1121,99 @@ static int64_t room_at_least(const rooms_t *t, uint64_t s) {   /* the smallest o
 
 /* Best-fit decreasing of n items (lengths 1..cap-1) into bins of cap: order[] the items in bin
  * order, ptr[] the bins as CSR; the number of bins. Needs no GIL. Scratch: bin_of, sorted and
- * next [n], pos and head [cap + 1], l0 [cap/64 + 1] and l1 [cap/4096 + 2], l0 and l1 zeroed. */
-typedef struct {
-    int64_t *bin_of, *sorted, *pos;
-    rooms_t t;
-} bfd_scratch_t;
-
-static int bfd_alloc(bfd_scratch_t *w, Py_ssize_t n, Py_ssize_t cap) {
-    w->t.words = (cap >> 6) + 1;
-    w->bin_of = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
-    w->sorted = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
-    w->pos = PyMem_RawCalloc(cap + 1, sizeof(int64_t));
-    w->t.next = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
-    w->t.head = PyMem_RawMalloc((cap + 1) * sizeof(int64_t));
-    w->t.l0 = PyMem_RawCalloc(w->t.words, sizeof(uint64_t));
-    w->t.l1 = PyMem_RawCalloc(((w->t.words + 63) >> 6) + 1, sizeof(uint64_t));
-    return w->bin_of && w->sorted && w->pos && w->t.next && w->t.head && w->t.l0 && w->t.l1;
+ * next [n], pos and head [cap + 1], l0 [cap/64 + 1] and l1 [cap/4096 + 2], l0 and l1 zeroed.
+ * Made twice, for indexes of 32 and of 64 bits (BFD_CORE below): a block of 10^6 documents
+ * (2^30 tokens) packs in ~26 ms with 32-bit indexes against ~40 ms with 64, whose scratch
+ * (~50 MB) no longer fits a shared L3 once two threads pack side by side. */
+#define BFD_CORE(SUF, IDX)                                                                          \
+typedef struct {                                                                                    \
+    uint64_t *l0, *l1;  /* bit r of l0: a bin with room r is open; bit w of l1: l0 word w is not 0 */ \
+    IDX *head, *next;   /* per room, the stack of bins (linked through next) */                    \
+    IDX *bin_of, *sorted, *pos;                                                                     \
+    Py_ssize_t words;                                                                               \
+} bfd_##SUF;                                                                                        \
+                                                                                                    \
+static void bfd_free_##SUF(bfd_##SUF *w) {                                                          \
+    PyMem_RawFree(w->bin_of); PyMem_RawFree(w->sorted); PyMem_RawFree(w->pos);                      \
+    PyMem_RawFree(w->next); PyMem_RawFree(w->head); PyMem_RawFree(w->l0); PyMem_RawFree(w->l1);     \
+}                                                                                                   \
+                                                                                                    \
+static int bfd_alloc_##SUF(bfd_##SUF *w, Py_ssize_t n, Py_ssize_t cap) {                            \
+    w->words = (cap >> 6) + 1;                                                                      \
+    w->bin_of = PyMem_RawMalloc((n ? n : 1) * sizeof(IDX));                                         \
+    w->sorted = PyMem_RawMalloc((n ? n : 1) * sizeof(IDX));                                         \
+    w->pos = PyMem_RawCalloc(cap + 1, sizeof(IDX));                                                 \
+    w->next = PyMem_RawMalloc((n ? n : 1) * sizeof(IDX));                                           \
+    w->head = PyMem_RawMalloc((cap + 1) * sizeof(IDX));                                             \
+    w->l0 = PyMem_RawCalloc(w->words, sizeof(uint64_t));                                           \
+    w->l1 = PyMem_RawCalloc(((w->words + 63) >> 6) + 1, sizeof(uint64_t));                          \
+    return w->bin_of && w->sorted && w->pos && w->next && w->head && w->l0 && w->l1;                \
+}                                                                                                   \
+                                                                                                    \
+static IDX bfd_core_##SUF(bfd_##SUF *w, const uint32_t *len, Py_ssize_t n, Py_ssize_t cap, IDX *order, \
+                          IDX *ptr) {                                                               \
+    IDX *bin_of = w->bin_of, *sorted = w->sorted, *pos = w->pos, *head = w->head, *next = w->next;  \
+    uint64_t *l0 = w->l0, *l1 = w->l1;                                                              \
+    IDX n_bins = 0, at = 0;                                                                         \
+    /* counting sort, longest first, ties in index order */                                         \
+    for (Py_ssize_t i = 0; i < n; i++) pos[len[i]]++;                                               \
+    for (Py_ssize_t l = cap; l >= 1; l--) { IDX c = pos[l]; pos[l] = at; at += c; }                 \
+    for (Py_ssize_t i = 0; i < n; i++) sorted[pos[len[i]]++] = (IDX)i;                              \
+    for (Py_ssize_t r = 0; r <= cap; r++) head[r] = -1;                                             \
+    for (Py_ssize_t j = 0; j < n; j++) {                                                            \
+        IDX i = sorted[j], b;                                                                       \
+        uint64_t s = len[i];                                                                        \
+        int64_t r = room_at_least(l0, l1, w->words, s);                                             \
+        if (r < 0) { b = n_bins++; r = cap; }                                                       \
+        else {   /* the top of room r's stack; the room's bits cleared when it empties */           \
+            b = head[r];                                                                            \
+            head[r] = next[b];                                                                      \
+            if (head[r] < 0) {                                                                      \
+                l0[r >> 6] &= ~(1ULL << (r & 63));                                                  \
+                if (!l0[r >> 6]) l1[r >> 12] &= ~(1ULL << ((r >> 6) & 63));                         \
+            }                                                                                       \
+        }                                                                                           \
+        bin_of[i] = b;                                                                              \
+        if ((uint64_t)r > s) {   /* b onto the stack of its new room */                             \
+            uint64_t left = (uint64_t)r - s;                                                        \
+            next[b] = head[left];                                                                   \
+            head[left] = b;                                                                         \
+            l0[left >> 6] |= 1ULL << (left & 63);                                                   \
+            l1[left >> 12] |= 1ULL << ((left >> 6) & 63);                                           \
+        }                                                                                           \
+    }                                                                                               \
+    /* the bins as CSR, each bin's items in the order they went in */                               \
+    for (IDX b = 0; b <= n_bins; b++) ptr[b] = 0;                                                   \
+    for (Py_ssize_t i = 0; i < n; i++) ptr[bin_of[i] + 1]++;                                        \
+    for (IDX b = 0; b < n_bins; b++) ptr[b + 1] += ptr[b];                                          \
+    IDX *fill = next;   /* (free now: reused as each bin's next slot) */                            \
+    for (IDX b = 0; b < n_bins; b++) fill[b] = ptr[b];                                              \
+    for (Py_ssize_t j = 0; j < n; j++) { IDX i = sorted[j]; order[fill[bin_of[i]]++] = i; }         \
+    return n_bins;                                                                                  \
+}                                                                                                   \
+                                                                                                    \
+/* pack()'s remainders (m items) into bins, written after its `whole` whole pieces: the bins,     \
+ * or -1 out of memory. Allocates with PyMem_RawMalloc: runs without the GIL. */                   \
+static int64_t pack_items_##SUF(const uint32_t *item_len, const int64_t *item_start, Py_ssize_t m,   \
+                                Py_ssize_t cap, int64_t whole, int64_t *ptr, int64_t *start, uint32_t *length) { \
+    bfd_##SUF w = {0};                                                                              \
+    IDX *order = PyMem_RawMalloc((m ? m : 1) * sizeof(IDX)), *iptr = PyMem_RawMalloc((m + 1) * sizeof(IDX)); \
+    int64_t n_bins = -1;                                                                            \
+    if (order && iptr && bfd_alloc_##SUF(&w, m, cap)) {                                             \
+        n_bins = bfd_core_##SUF(&w, item_len, m, cap, order, iptr);                                 \
+        for (int64_t b = 0; b <= n_bins; b++) ptr[whole + b] = whole + iptr[b];                     \
+        for (Py_ssize_t j = 0; j < m; j++) {                                                        \
+            start[whole + j] = item_start[order[j]];                                                \
+            length[whole + j] = item_len[order[j]];                                                 \
+        }                                                                                           \
+    }                                                                                               \
+    bfd_free_##SUF(&w);                                                                             \
+    PyMem_RawFree(order); PyMem_RawFree(iptr);                                                      \
+    return n_bins;                                                                                  \
 }
 
-static void bfd_free(bfd_scratch_t *w) {
-    PyMem_RawFree(w->bin_of); PyMem_RawFree(w->sorted); PyMem_RawFree(w->pos); PyMem_RawFree(w->t.next);
-    PyMem_RawFree(w->t.head); PyMem_RawFree(w->t.l0); PyMem_RawFree(w->t.l1);
-}
-
-static int64_t bfd_core(bfd_scratch_t *w, const uint32_t *len, Py_ssize_t n, Py_ssize_t cap, int64_t *order,
-                        int64_t *ptr) {
-    int64_t *bin_of = w->bin_of, *sorted = w->sorted, *pos = w->pos, *fill, n_bins = 0;
-    rooms_t *t = &w->t;
-    /* counting sort, longest first, ties in index order */
-    for (Py_ssize_t i = 0; i < n; i++) pos[len[i]]++;
-    int64_t at = 0;
-    for (Py_ssize_t l = cap; l >= 1; l--) { int64_t c = pos[l]; pos[l] = at; at += c; }
-    for (Py_ssize_t i = 0; i < n; i++) sorted[pos[len[i]]++] = i;
-    for (Py_ssize_t r = 0; r <= cap; r++) t->head[r] = -1;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int64_t i = sorted[j];
-        uint64_t s = len[i];
-        int64_t r = room_at_least(t, s), b;
-        if (r < 0) { b = n_bins++; r = cap; }
-        else b = room_pop(t, (uint64_t)r);
-        bin_of[i] = b;
-        if ((uint64_t)r > s) room_push(t, b, (uint64_t)r - s);
-    }
-    /* the bins as CSR, each bin's items in the order they went in */
-    for (int64_t b = 0; b <= n_bins; b++) ptr[b] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) ptr[bin_of[i] + 1]++;
-    for (int64_t b = 0; b < n_bins; b++) ptr[b + 1] += ptr[b];
-    fill = t->next;   /* (free now: reused as each bin's next slot) */
-    for (int64_t b = 0; b < n_bins; b++) fill[b] = ptr[b];
-    for (Py_ssize_t j = 0; j < n; j++) { int64_t i = sorted[j]; order[fill[bin_of[i]]++] = i; }
-    return n_bins;
-}
+BFD_CORE(32, int32_t)
+BFD_CORE(64, int64_t)
 
 static PyObject *best_fit(PyObject *self, PyObject *args) {
     Py_buffer len_b, order_b, ptr_b;
@@ -1201,7 +1221,7 @@ static PyObject *best_fit(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nw*w*", &len_b, &cap, &order_b, &ptr_b)) return NULL;
     Py_ssize_t n = len_b.len / 4;
     PyObject *result = NULL;
-    bfd_scratch_t w = {0};
+    bfd_64 w = {0};
     if (cap < 2 || len_b.len % 4 || order_b.len != n * 8 || ptr_b.len != (n + 1) * 8) {
         PyErr_SetString(PyExc_ValueError, "best_fit(lengths u4[n], capacity >= 2, order i8[n] out, ptr i8[n + 1] out)");
         goto done;
@@ -1212,17 +1232,17 @@ static PyObject *best_fit(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "best_fit: item %zd has length %u, expected 1..%zd", i, len[i], cap - 1);
             goto done;
         }
-    if (!bfd_alloc(&w, n, cap)) {
+    if (!bfd_alloc_64(&w, n, cap)) {
         PyErr_NoMemory();
         goto done;
     }
     int64_t n_bins;
     Py_BEGIN_ALLOW_THREADS
-    n_bins = bfd_core(&w, len, n, cap, order_b.buf, ptr_b.buf);
+    n_bins = bfd_core_64(&w, len, n, cap, order_b.buf, ptr_b.buf);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLongLong(n_bins);
 done:
-    bfd_free(&w);
+    bfd_free_64(&w);
     PyBuffer_Release(&len_b); PyBuffer_Release(&order_b); PyBuffer_Release(&ptr_b);
     return result;
 }
@@ -1232,17 +1252,18 @@ done:
  * then best-fit decreasing of the remainders), from the documents' starts to the bins, in one
  * release of the GIL: threads packing blocks of a corpus (feeder.sources.pack_blocks) then run
  * side by side, where numpy's many short steps between them each took the GIL back. `pieces`
- * must be what the documents make (layout.best_fit counts it). */
+ * must be what the documents make (layout.best_fit counts it). wide=True: 64-bit indexes even
+ * where 32 bits hold them. */
 static PyObject *pack(PyObject *self, PyObject *args) {
     Py_buffer st_b, ptr_b, start_b, len_b;
     long long end;
     Py_ssize_t cap;
-    if (!PyArg_ParseTuple(args, "y*Lnw*w*w*", &st_b, &end, &cap, &ptr_b, &start_b, &len_b)) return NULL;
+    int wide = 0;   /* the 64-bit core whatever the size (the tests: both cores give the same bins) */
+    if (!PyArg_ParseTuple(args, "y*Lnw*w*w*|p", &st_b, &end, &cap, &ptr_b, &start_b, &len_b, &wide)) return NULL;
     Py_ssize_t n = st_b.len / 8, pieces = start_b.len / 8;
     PyObject *result = NULL;
-    bfd_scratch_t w = {0};
     uint32_t *item_len = NULL;
-    int64_t *item_start = NULL, *order = NULL, *iptr = NULL;
+    int64_t *item_start = NULL;
     if (cap < 2 || st_b.len % 8 || start_b.len % 8 || len_b.len != pieces * 4 || ptr_b.len != (pieces + 1) * 8) {
         PyErr_SetString(PyExc_ValueError, "pack(starts i8[n], end, capacity >= 2, ptr i8[p + 1] out, start i8[p] out, "
                                           "length u4[p] out)");
@@ -1250,9 +1271,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     }
     item_len = PyMem_RawMalloc((n ? n : 1) * sizeof(uint32_t));
     item_start = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
-    order = PyMem_RawMalloc((n ? n : 1) * sizeof(int64_t));
-    iptr = PyMem_RawMalloc((n + 1) * sizeof(int64_t));
-    if (!item_len || !item_start || !order || !iptr || !bfd_alloc(&w, n, cap)) {
+    if (!item_len || !item_start) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1274,23 +1293,21 @@ static PyObject *pack(PyObject *self, PyObject *args) {
         if (rest) { item_start[m] = s[i] + full * cap; item_len[m] = (uint32_t)rest; m++; }
     }
     if (!bad && whole + m != pieces) bad = 2;
-    if (!bad) {
-        n_bins = bfd_core(&w, item_len, m, cap, order, iptr);
-        for (int64_t b = 0; b <= n_bins; b++) ptr[whole + b] = whole + iptr[b];
-        for (int64_t j = 0; j < m; j++) {
-            start[whole + j] = item_start[order[j]];
-            length[whole + j] = item_len[order[j]];
-        }
+    if (!bad) {   /* (a block of 2^30 tokens has < 2^31 items: the 32-bit core, ~1.5x faster) */
+        n_bins = !wide && m < INT32_MAX && cap < INT32_MAX ? pack_items_32(item_len, item_start, m, cap, whole, ptr, start, length)
+                                                  : pack_items_64(item_len, item_start, m, cap, whole, ptr, start, length);
+        if (n_bins < 0) bad = 3;
     }
     Py_END_ALLOW_THREADS
-    if (bad)
+    if (bad == 3)
+        PyErr_NoMemory();
+    else if (bad)
         PyErr_SetString(PyExc_ValueError, bad == 1 ? "pack: document starts are not sorted (or past the end)"
                                                    : "pack: the pieces do not number as counted");
     else
         result = PyLong_FromLongLong(whole + n_bins);
 done:
-    bfd_free(&w);
-    PyMem_RawFree(item_len); PyMem_RawFree(item_start); PyMem_RawFree(order); PyMem_RawFree(iptr);
+    PyMem_RawFree(item_len); PyMem_RawFree(item_start);
     PyBuffer_Release(&st_b); PyBuffer_Release(&ptr_b); PyBuffer_Release(&start_b); PyBuffer_Release(&len_b);
     return result;
 }

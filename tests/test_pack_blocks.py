@@ -78,21 +78,26 @@ def test_doc_spans_are_the_documents_each_format_records_whatever_the_range(tmp_
 
 def test_the_c_packer_from_document_starts_is_layouts_numpy_rule():
     """layout.best_fit in one C call (documents longer than a bin, empty ones, a tail after the
-    last start) gives the bytes of its numpy twin."""
+    last start), with 32-bit indexes and with 64 (wide: what a block of over 2^31 documents
+    takes), gives the bytes of its numpy twin."""
     rng = np.random.default_rng(35)
-    for _ in range(200):
+    c = layout._pack
+    for i in range(200):
         n, cap = int(rng.integers(0, 300)), int(rng.integers(2, 70))
         lengths = rng.integers(0, 4 * cap, size=n)
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)[:n] + 5
         total = int(lengths.sum()) + 5 + int(rng.integers(0, 3))
         got = layout.best_fit(starts, total, cap)
-        c, layout._pack = layout._pack, None
         try:
+            layout._pack = lambda *a: c(*a, True)
+            wide = layout.best_fit(starts, total, cap)
+            layout._pack = None
             want = layout.best_fit(starts, total, cap)
         finally:
             layout._pack = c
         for k in ("ptr", "start", "length"):
-            assert getattr(got, k).dtype == getattr(want, k).dtype and (getattr(got, k) == getattr(want, k)).all()
+            for it in (got, wide):
+                assert getattr(it, k).dtype == getattr(want, k).dtype and (getattr(it, k) == getattr(want, k)).all(), i
 
 
 def test_bins_follow_the_block_rule_and_one_block_is_the_whole_corpus_pass(corpus, cache):

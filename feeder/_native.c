@@ -1294,8 +1294,9 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     }
     if (!bad && whole + m != pieces) bad = 2;
     if (!bad) {   /* (a block of 2^30 tokens has < 2^31 items: the 32-bit core, ~1.5x faster) */
-        n_bins = !wide && m < INT32_MAX && cap < INT32_MAX ? pack_items_32(item_len, item_start, m, cap, whole, ptr, start, length)
-                                                  : pack_items_64(item_len, item_start, m, cap, whole, ptr, start, length);
+        n_bins = !wide && m < INT32_MAX && cap < INT32_MAX
+                     ? pack_items_32(item_len, item_start, m, cap, whole, ptr, start, length)
+                     : pack_items_64(item_len, item_start, m, cap, whole, ptr, start, length);
         if (n_bins < 0) bad = 3;
     }
     Py_END_ALLOW_THREADS

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,25 +86,43 @@ def test_copy_range_copies_where_asked_and_says_when_the_source_ends_early(tmp_p
             cache.copy_range(s.fileno(), 16384 - 3000, d.fileno(), 0, 5000)
 
 
-def test_a_block_cut_short_under_the_copy_is_built_again_and_the_sidecar_is_whole(corpus, tmp_path, monkeypatch):
-    """Block 5's `start` is cut short between the joiner's check and its copy (a disk's fault):
-    the copy ends early, the block is counted damaged and built again, and the sidecar is what a
-    clean build gives."""
+@pytest.mark.parametrize("when", ["before the copy", "under the copy"])
+def test_a_block_cut_short_after_its_check_never_reaches_the_sidecar(corpus, tmp_path, monkeypatch, when):
+    """Block 5's `start` is cut short after the joiner read and checked it (a disk's fault).
+    Found before the copy (the file is not np.save's layout any more): the checked bytes are
+    written instead, nothing is damaged. Under the copy (the file ends early): the block is
+    counted damaged and built again. Either way the sidecar is what a clean build gives."""
     src = source(corpus)
     clean = build(src, tmp_path / "clean")
-    real, cut = pack_blocks._Build._copy_part, []
+    cut = []
 
-    def cut_once(self, b, k, fd, at, n):
-        if b == 5 and k == "start" and not cut:
-            path = self.block_dir(b) / "start.npy"
-            os.truncate(path, os.path.getsize(path) - 16)
-            cut.append(b)
-        return real(self, b, k, fd, at, n)
+    def cut_short(path):
+        os.truncate(path, os.path.getsize(path) - 16)
+        cut.append(path.parent.name)
 
-    monkeypatch.setattr(pack_blocks._Build, "_copy_part", cut_once)
+    if when == "before the copy":
+        real = pack_blocks._Build._copy_part
+
+        def copy_part(self, b, k, fd, at, n):
+            if b == 5 and k == "start" and not cut:
+                cut_short(self.block_dir(b) / "start.npy")
+            return real(self, b, k, fd, at, n)
+
+        monkeypatch.setattr(pack_blocks._Build, "_copy_part", copy_part)
+    else:
+        real = cache.copy_range
+
+        def copy_range(src_fd, src_at, dst, dst_at, n):
+            path = Path(os.readlink(f"/proc/self/fd/{src_fd}"))
+            if path.parent.name == "0000005" and path.name == "start.npy" and not cut:
+                cut_short(path)
+            return real(src_fd, src_at, dst, dst_at, n)
+
+        monkeypatch.setattr(cache, "copy_range", copy_range)
     before = cache.damaged_counts()["packing"]
     assert build(src, tmp_path / "cut") == clean
-    assert cut == [5] and cache.damaged_counts()["packing"] == before + 1
+    assert cut == ["0000005"]
+    assert cache.damaged_counts()["packing"] == before + (when == "under the copy")
     got, want = digest_of(tmp_path / "cut", src)
     assert got == want
 

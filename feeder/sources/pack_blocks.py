@@ -280,6 +280,8 @@ class _Build:
                 read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
                     else np.lib.format.read_array_header_2_0
                 read_header(f)
+                if f.tell() + n != os.fstat(f.fileno()).st_size:   # (not np.save's layout: no copy)
+                    return False
                 return cache.copy_range(f.fileno(), f.tell(), fd, at, n)
             except (ValueError, EOFError) as e:
                 raise _Torn(b, f"{type(e).__name__}: {e}") from None

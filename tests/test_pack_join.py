@@ -86,27 +86,36 @@ def test_copy_range_copies_where_asked_and_says_when_the_source_ends_early(tmp_p
             cache.copy_range(s.fileno(), 16384 - 3000, d.fileno(), 0, 5000)
 
 
-@pytest.mark.parametrize("when", ["before the copy", "under the copy"])
-def test_a_block_cut_short_after_its_check_never_reaches_the_sidecar(corpus, tmp_path, monkeypatch, when):
-    """Block 5's `start` is cut short after the joiner read and checked it (a disk's fault).
-    Found before the copy (the file is not np.save's layout any more): the checked bytes are
-    written instead, nothing is damaged. Under the copy (the file ends early): the block is
-    counted damaged and built again. Either way the sidecar is what a clean build gives."""
+@pytest.mark.parametrize("how", ["cut short before the copy", "cut short under the copy",
+                                 "a byte flipped under the copy"])
+def test_a_block_damaged_after_its_builder_wrote_it_never_reaches_the_sidecar(corpus, tmp_path, monkeypatch, how):
+    """Block 5's `start` is damaged on disk at the join (a disk's fault), before the kernel copies
+    it or under the copy (after its header was read): the part is checked as it lies in the
+    sidecar, so the block is counted damaged and built again, and the sidecar is what a clean
+    build gives, its digest its arrays' (review 37: a byte flipped under the copy went into the
+    sidecar, its digest that of the bytes checked before)."""
     src = source(corpus)
     clean = build(src, tmp_path / "clean")
-    cut = []
+    hit = []
 
-    def cut_short(path):
-        os.truncate(path, os.path.getsize(path) - 16)
-        cut.append(path.parent.name)
+    def damage(path):
+        if how.startswith("cut"):
+            os.truncate(path, os.path.getsize(path) - 16)
+        else:
+            with open(path, "r+b") as f:
+                f.seek(-9, os.SEEK_END)
+                byte = f.read(1)[0]
+                f.seek(-9, os.SEEK_END)
+                f.write(bytes([byte ^ 0x10]))
+        hit.append(path.parent.name)
 
-    if when == "before the copy":
+    if how.endswith("before the copy"):
         real = pack_blocks._Build._copy_part
 
-        def copy_part(self, b, k, fd, at, n):
-            if b == 5 and k == "start" and not cut:
-                cut_short(self.block_dir(b) / "start.npy")
-            return real(self, b, k, fd, at, n)
+        def copy_part(self, b, k, fd, at, figures):
+            if b == 5 and k == "start" and not hit:
+                damage(self.block_dir(b) / "start.npy")
+            return real(self, b, k, fd, at, figures)
 
         monkeypatch.setattr(pack_blocks._Build, "_copy_part", copy_part)
     else:
@@ -114,16 +123,16 @@ def test_a_block_cut_short_after_its_check_never_reaches_the_sidecar(corpus, tmp
 
         def copy_range(src_fd, src_at, dst, dst_at, n):
             path = Path(os.readlink(f"/proc/self/fd/{src_fd}"))
-            if path.parent.name == "0000005" and path.name == "start.npy" and not cut:
-                cut_short(path)
+            if path.parent.name == "0000005" and path.name == "start.npy" and not hit:
+                damage(path)
             return real(src_fd, src_at, dst, dst_at, n)
 
         monkeypatch.setattr(cache, "copy_range", copy_range)
     before = cache.damaged_counts()["packing"]
-    assert build(src, tmp_path / "cut") == clean
-    assert cut == ["0000005"]
-    assert cache.damaged_counts()["packing"] == before + (when == "under the copy")
-    got, want = digest_of(tmp_path / "cut", src)
+    assert build(src, tmp_path / "damaged") == clean
+    assert hit == ["0000005"]
+    assert cache.damaged_counts()["packing"] == before + 1
+    got, want = digest_of(tmp_path / "damaged", src)
     assert got == want
 
 
@@ -139,6 +148,7 @@ def test_a_disk_that_fills_up_under_the_join_is_said_as_such_not_taken_for_a_tor
     with pytest.raises(OSError) as e:
         build(src, tmp_path / "full")
     assert e.value.errno == errno.ENOSPC
+    assert f"joining the packing {packed.identity(src.fingerprint, SEQ, B)} in " in str(e.value)
     assert cache.damaged_counts()["packing"] == before
     where = tmp_path / "full" / "packing"
     assert not (where / packed.identity(src.fingerprint, SEQ, B) / "stats.json").exists()

@@ -21,6 +21,7 @@ left half-written.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -265,11 +266,15 @@ class _Build:
             raise _Torn(b, f"its {k} does not match its check")
         return a
 
-    def _copy_part(self, b: int, k: str, fd: int, at: int, n: int) -> bool:
-        """Block b's array k (read and checked by _array) copied by the kernel from its file into
-        fd at `at` (the join's writes were most of its time: 2.3 of 3.9 s at 10^8 documents), or
-        False where the file system cannot (the caller writes the bytes it checked). A disk
-        that fills up is the OSError it is, not a torn block."""
+    def _copy_part(self, b: int, k: str, fd: int, at: int, figures: dict) -> memoryview | None:
+        """Block b's array k copied by the kernel from its file into fd at `at`, then read back
+        from there and checked against the block's check: the bytes returned are the sidecar's
+        own, what its digest hashes (the join's writes from the process were most of its time:
+        2.3 of 3.9 s at 10^8 documents). None where the file system cannot copy or the file is
+        not np.save's layout: the caller reads and checks the block and writes what it checked.
+        A disk that fills up is the OSError it is, not a torn block."""
+        dtype, want = array_types(figures["pieces"], self.source.n_tokens)[k], figures["pieces"]
+        n = want * dtype.itemsize
         try:
             f = open(self.block_dir(b) / f"{k}.npy", "rb")
         except OSError as e:
@@ -279,12 +284,23 @@ class _Build:
                 version = np.lib.format.read_magic(f)   # (where its data begins: after the header)
                 read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
                     else np.lib.format.read_array_header_2_0
-                read_header(f)
-                if f.tell() + n != os.fstat(f.fileno()).st_size:   # (not np.save's layout: no copy)
-                    return False
-                return cache.copy_range(f.fileno(), f.tell(), fd, at, n)
+                if read_header(f) != ((want,), False, dtype):
+                    raise _Torn(b, f"its {k} does not match its check (its header)")
+                if f.tell() + n != os.fstat(f.fileno()).st_size or \
+                        not cache.copy_range(f.fileno(), f.tell(), fd, at, n):
+                    return None
             except (ValueError, EOFError) as e:
                 raise _Torn(b, f"{type(e).__name__}: {e}") from None
+        got = np.empty(n, np.uint8)
+        done = 0
+        while done < n:   # (from the page cache the kernel just filled)
+            step = os.preadv(fd, [got[done:]], at + done)
+            if step == 0:
+                raise OSError(errno.EIO, f"the sidecar ends before its part of block {b}")
+            done += step
+        if crc(got.data) != figures["check"][ARRAYS.index(k)]:
+            raise _Torn(b, f"its {k} does not match its check (as copied)")
+        return got.data
 
     def _write_joined(self, tmp: Path) -> dict:
         figures = [self._figures(b) for b in range(self.n)]
@@ -307,15 +323,23 @@ class _Build:
                 f.flush()
 
             def copy(k: str, b: int) -> memoryview:
-                """Block b's part of array k, checked, into its place (any thread: without the GIL)."""
-                out, at = self._array(b, k, figures[b]), heads[k] + int(firsts[k][b]) * dtypes[k].itemsize
-                if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
-                    out = out[:-1].astype(dtypes[k])
-                    out += dtypes[k].type(firsts["start"][b])
-                data = out.view(np.uint8).data   # (start, length: the block's bytes are the sidecar's)
-                if k == "ptr" or not self._copy_part(b, k, files[k].fileno(), at, len(data)):
-                    os.pwrite(files[k].fileno(), data, at)
-                cache.write_back(files[k].fileno(), at, len(data))
+                """Block b's part of array k, checked, into its place (any thread: without the GIL):
+                the bytes as they are in the sidecar."""
+                at = heads[k] + int(firsts[k][b]) * dtypes[k].itemsize
+                try:   # (start, length: the block's bytes are the sidecar's, copied as they are)
+                    data = None if k == "ptr" else self._copy_part(b, k, files[k].fileno(), at, figures[b])
+                    if data is None:
+                        out = self._array(b, k, figures[b])
+                        if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
+                            out = out[:-1].astype(dtypes[k])
+                            out += dtypes[k].type(firsts["start"][b])
+                        data = out.view(np.uint8).data
+                        os.pwrite(files[k].fileno(), data, at)
+                except OSError as e:   # (a full disk: which packing, and where)
+                    raise OSError(e.errno, f"{e.strerror or e}: joining the packing {self.where.name} in "
+                                           f"{self.where.parent}") from None
+                if len(data):   # (0 bytes would ask sync_file_range for the whole rest of the file)
+                    cache.write_back(files[k].fileno(), at, len(data))
                 return data
 
             # The join is what does not divide among cores unless made to: the blocks' parts are read,

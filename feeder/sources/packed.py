@@ -310,14 +310,6 @@ def _publish(tmp: Path, where: Path, stats: dict) -> None:
     cache.publish(tmp, where)   # the files, the rename and the directory, fsynced
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def describe(stats: dict) -> str:
     """One line of a packing's figures (`feeder status`, the log)."""
     cpu_s = stats["read_s"] + stats["cpu_pack_s"]

@@ -132,6 +132,7 @@ def broker(action):
     subprocess.run([sys.executable, str(BROKER_SCRIPT), action], check=True, timeout=180)
 
 
+@pytest.mark.kafka_restart
 def test_follow_replays_exactly_across_feeder_sigkill_and_broker_restart(kafka_broker, tmp_path):
     world, rank, seq_len, mb = 2, 1, 32, 2
     phase1, phase2 = make_docs(300, seed=21), make_docs(300, seed=22)

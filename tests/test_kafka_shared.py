@@ -114,6 +114,7 @@ def test_follow_rank_ten_times_slower_reads_alone_then_rejoins_within_the_window
     assert fig["fetched"] == len(docs), fig
 
 
+@pytest.mark.kafka_restart
 def test_follow_shared_reader_feeder_sigkill_and_broker_restart_fail_every_rank_over_exactly(kafka_broker, tmp_path):
     """Eight ranks on feeder A share its reader; A is SIGKILLed mid-stream and every rank fails
     over to B from its cursor; then the broker restarts under B's shared reader and more records

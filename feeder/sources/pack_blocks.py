@@ -302,6 +302,25 @@ class _Build:
             raise _Torn(b, f"its {k} does not match its check (as copied)")
         return got.data
 
+    def _place(self, b: int, k: str, fd: int, at: int, figures: dict, dtype: np.dtype, shift: int) -> memoryview:
+        """Block b's part of array k, checked, into fd at `at` (any thread: without the GIL): the
+        bytes as they are in the sidecar. `shift`: the pieces of the blocks before b."""
+        try:   # (start, length: the block's bytes are the sidecar's, copied as they are)
+            data = None if k == "ptr" else self._copy_part(b, k, fd, at, figures)
+            if data is None:
+                out = self._array(b, k, figures)
+                if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
+                    out = out[:-1].astype(dtype)
+                    out += dtype.type(shift)
+                data = out.view(np.uint8).data
+                os.pwrite(fd, data, at)
+        except OSError as e:   # (a full disk: which packing, and where)
+            raise OSError(e.errno, f"{e.strerror or e}: joining the packing {self.where.name} in "
+                                   f"{self.where.parent}") from None
+        if len(data):   # (0 bytes would ask sync_file_range for the whole rest of the file)
+            cache.write_back(fd, at, len(data))
+        return data
+
     def _write_joined(self, tmp: Path) -> dict:
         figures = [self._figures(b) for b in range(self.n)]
         pieces = [f["pieces"] for f in figures]
@@ -323,24 +342,8 @@ class _Build:
                 f.flush()
 
             def copy(k: str, b: int) -> memoryview:
-                """Block b's part of array k, checked, into its place (any thread: without the GIL):
-                the bytes as they are in the sidecar."""
-                at = heads[k] + int(firsts[k][b]) * dtypes[k].itemsize
-                try:   # (start, length: the block's bytes are the sidecar's, copied as they are)
-                    data = None if k == "ptr" else self._copy_part(b, k, files[k].fileno(), at, figures[b])
-                    if data is None:
-                        out = self._array(b, k, figures[b])
-                        if k == "ptr":   # a block's bins point at its pieces: shifted by the pieces before it
-                            out = out[:-1].astype(dtypes[k])
-                            out += dtypes[k].type(firsts["start"][b])
-                        data = out.view(np.uint8).data
-                        os.pwrite(files[k].fileno(), data, at)
-                except OSError as e:   # (a full disk: which packing, and where)
-                    raise OSError(e.errno, f"{e.strerror or e}: joining the packing {self.where.name} in "
-                                           f"{self.where.parent}") from None
-                if len(data):   # (0 bytes would ask sync_file_range for the whole rest of the file)
-                    cache.write_back(files[k].fileno(), at, len(data))
-                return data
+                return self._place(b, k, files[k].fileno(), heads[k] + int(firsts[k][b]) * dtypes[k].itemsize,
+                                   figures[b], dtypes[k], int(firsts["start"][b]))
 
             # The join is what does not divide among cores unless made to: the blocks' parts are read,
             # checked and written by every thread, while this one hashes them in the digest's order

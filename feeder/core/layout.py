@@ -197,6 +197,17 @@ def narrow(limit: int) -> np.dtype:
     return np.dtype(np.uint32) if limit < 1 << 32 else np.dtype(np.uint64)
 
 
+def doc_lengths(starts: np.ndarray, end: int) -> np.ndarray:
+    """The length of each document of a stream (document j is [starts[j], starts[j + 1]), the
+    last to `end`), in one new array: np.diff with `append` makes two, and a packing's block is
+    10^6 documents on every core, each array of that size fresh memory to fault in."""
+    out = np.empty(len(starts), dtype=np.int64)
+    if len(starts):
+        np.subtract(starts[1:], starts[:-1], out=out[:-1])
+        out[-1] = end - starts[-1]
+    return out
+
+
 def best_fit(doc_starts: np.ndarray, n_tokens: int, capacity: int) -> Packing:
     """Best-fit-decreasing packing of the documents of a stream of n_tokens tokens (document j
     is [doc_starts[j], doc_starts[j + 1]), the last to n_tokens) into bins of `capacity` tokens.
@@ -206,15 +217,19 @@ def best_fit(doc_starts: np.ndarray, n_tokens: int, capacity: int) -> Packing:
     stream order), each into the fullest bin it fits (ties: the bin that reached that fill last),
     a new bin where none does. Deterministic: a pure function of the documents and capacity."""
     starts = np.ascontiguousarray(doc_starts, dtype=np.int64)
-    lengths = np.diff(starts, append=n_tokens)
+    lengths = doc_lengths(starts, n_tokens)
     if _pack is not None:   # all of it without the GIL: blocks packed on threads run side by side
-        n_pieces = int((lengths // capacity).sum()) + int(np.count_nonzero(lengths % capacity))
+        longer = lengths[lengths > capacity]   # (cut into ceil(l / capacity) pieces; the rest, one each)
+        n_pieces = int(np.count_nonzero(lengths > 0)) + int(((longer - 1) // capacity).sum())
+        del lengths, longer
         ptr = np.empty(n_pieces + 1, dtype=np.int64)
         start = np.empty(n_pieces, dtype=np.int64)
         length = np.empty(n_pieces, dtype=np.uint32)
         n_bins = _pack(starts, int(n_tokens), int(capacity), ptr, start, length)
+        # (int64 to uint64 is the same bits: a view, not a copy of the largest array)
+        wide = narrow(n_tokens) == np.uint64
         return Packing(capacity=capacity, ptr=ptr[:n_bins + 1].astype(narrow(n_pieces)),
-                       start=start.astype(narrow(n_tokens)), length=length)
+                       start=start.view(np.uint64) if wide else start.astype(np.uint32), length=length)
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
     full = lengths // capacity

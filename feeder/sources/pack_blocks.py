@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from feeder.core.config import PackingConfig
-from feeder.core.layout import PACKER, best_fit, narrow
+from feeder.core.layout import PACKER, best_fit, doc_lengths, narrow
 from feeder.sources import cache
 
 try:
@@ -93,7 +93,7 @@ def pack_block(source, b: int, seq_len: int, block_tokens: int) -> tuple[dict, d
     p = best_fit(starts, end, seq_len + 1)
     types = array_types(len(p.start), source.n_tokens)
     arrays = {k: getattr(p, k).astype(types[k], copy=False) for k in ARRAYS}
-    lengths = np.diff(np.append(starts, end))
+    lengths = doc_lengths(starts, end)
     figures = {"documents": int(len(starts)), "bins": int(p.n_bins), "pieces": int(len(p.start)),
                "tokens": int(end - starts[0]) if len(starts) else 0,
                "truncated": int(np.count_nonzero(lengths > seq_len + 1)),

@@ -107,7 +107,11 @@ class MegatronFiles(TokenFiles):
         if d1 <= d0:
             return np.zeros(0, np.int64)
         first = first_seq.read(d0, d1)
-        return pointers.read(int(first[0]), int(first[-1]) + 1)[first - first[0]] // self.dtype.itemsize
+        ptrs = pointers.read(int(first[0]), int(first[-1]) + 1)
+        first -= first[0]   # (in place, as below: a packing's block is 10^6 documents on every core, and
+        out = ptrs[first]   # each temporary of that size was fresh memory to fault in)
+        out //= self.dtype.itemsize
+        return out
 
     def doc_spans(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
         """From the .idx alone, one search per file the range touches (not per chunk): the
@@ -123,7 +127,9 @@ class MegatronFiles(TokenFiles):
             a, b = max(lo, base) - base, min(hi, int(ends[si])) - base
             seqs = pointers.search((a * size, b * size))
             docs = first_seq.search(seqs)
-            parts.append(self._starts(si, docs[0], docs[1]) + base)
+            starts = self._starts(si, docs[0], docs[1])
+            starts += base
+            parts.append(starts)
             if docs[1] < len(first_seq):            # the next document starts in this file
                 end = int(pointers[int(first_seq[docs[1]])]) // size + base
                 break
@@ -131,7 +137,7 @@ class MegatronFiles(TokenFiles):
             if int(ends[si]) >= hi:
                 break
             si += 1
-        return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), end
+        return (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, np.int64)), end
 
 
 class IdxArray:

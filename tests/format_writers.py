@@ -11,14 +11,19 @@ from pathlib import Path
 import numpy as np
 
 
-def megatron(prefix: Path, docs: list[list[int]], eos: int, *, dtype=np.uint16) -> Path:
-    """As preprocess_data.py --append-eod: each document's ids then EOD, one item per document."""
+def megatron(prefix: Path, docs: list[list[int]], eos: int, *, dtype=np.uint16, sentences: bool = False) -> Path:
+    """As preprocess_data.py --append-eod: each document's ids then EOD, one item per document
+    (sentences=True: as with --split-sentences, up to three items a document, so the index's
+    document table is not one entry per item)."""
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     b = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for d in docs:
-        b.add_item(torch.tensor(d + [eos], dtype=torch.int64))
+        ids = d + [eos]
+        cuts = sorted({len(ids) // 3, 2 * len(ids) // 3} - {0}) if sentences else []
+        for lo, hi in zip([0, *cuts], [*cuts, len(ids)]):
+            b.add_item(torch.tensor(ids[lo:hi], dtype=torch.int64))
         b.end_document()
     b.finalize(f"{prefix}.idx")
     return prefix

@@ -19,11 +19,8 @@ from feeder_bench.scale import megatron_corpus
 from feeder.core import layout
 from feeder.core.errors import Unavailable
 from feeder.core.config import PackingConfig
-from feeder.sources import Context, Documents, pack_blocks, packed, preparing
+from feeder.sources import Context, pack_blocks, packed, preparing
 from feeder.sources.formats import Options, open_any
-from feeder.sources.posix import PosixSource
-from tests import format_writers as W
-from tests.helpers import make_docs, prep_docs
 
 SEQ, EOS = 16, 256
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,55 +48,6 @@ def sidecar(cache_dir: Path, src, block: int) -> dict[str, bytes]:
     return {k: (where / f"{k}.npy").read_bytes() for k in ("ptr", "start", "length")}
 
 
-def test_doc_spans_are_the_documents_each_format_records_whatever_the_range(tmp_path):
-    """Megatron (three files), nanoGPT (by EOS) and our shards: doc_spans(lo, hi) is the starts of
-    the documents starting in [lo, hi), as the chunks' document starts say, and the next start."""
-    docs = make_docs(150, seed=35)
-    ids = [list(d.encode()) for d in docs]
-    (tmp_path / "mega").mkdir()
-    for k, part in enumerate((ids[:40], ids[40:110], ids[110:])):
-        W.megatron(tmp_path / "mega" / f"c_{k:02d}_text_document", part, EOS)
-    sources = [source(tmp_path / "mega"),
-               open_any(str(W.nanogpt(tmp_path / "train.bin", ids, EOS)), Options(vocab_size=257, eos_id=EOS)),
-               PosixSource(prep_docs(_mkdir(tmp_path / "prep"), docs, shard_tokens=1500, chunk_tokens=300))]
-    rng = np.random.default_rng(35)
-    for src in sources:
-        assert isinstance(src, Documents)
-        every = np.concatenate([src.doc_starts(k) for k in range(len(src.chunk_starts) - 1)])
-        assert len(every) >= 140
-        for lo, hi in [(0, src.n_tokens), (0, 1), (src.n_tokens - 1, src.n_tokens),
-                       *(sorted(rng.integers(0, src.n_tokens, 2).tolist()) for _ in range(25))]:
-            starts, end = src.doc_spans(lo, hi)
-            want = every[(every >= lo) & (every < hi)]
-            after = every[every >= hi]
-            assert starts.tolist() == want.tolist(), (type(src).__name__, lo, hi)
-            assert end == (int(after[0]) if len(after) else src.n_tokens), (type(src).__name__, lo, hi)
-
-
-def test_the_c_packer_from_document_starts_is_layouts_numpy_rule():
-    """layout.best_fit in one C call (documents longer than a bin, empty ones, a tail after the
-    last start), with 32-bit indexes and with 64 (wide: what a block of over 2^31 documents
-    takes), gives the bytes of its numpy twin."""
-    rng = np.random.default_rng(35)
-    c = layout._pack
-    for i in range(200):
-        n, cap = int(rng.integers(0, 300)), int(rng.integers(2, 70))
-        lengths = rng.integers(0, 4 * cap, size=n)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)[:n] + 5
-        total = int(lengths.sum()) + 5 + int(rng.integers(0, 3))
-        got = layout.best_fit(starts, total, cap)
-        try:
-            layout._pack = lambda *a: c(*a, True)
-            wide = layout.best_fit(starts, total, cap)
-            layout._pack = None
-            want = layout.best_fit(starts, total, cap)
-        finally:
-            layout._pack = c
-        for k in ("ptr", "start", "length"):
-            for it in (got, wide):
-                assert getattr(it, k).dtype == getattr(want, k).dtype and (getattr(it, k) == getattr(want, k)).all(), i
-
-
 def test_bins_follow_the_block_rule_and_one_block_is_the_whole_corpus_pass(corpus, cache):
     """Blocks of B tokens: the documents starting in each, packed on their own, block 0's bins
     first. With B at least the corpus, the bins are one whole-corpus pass (the earlier rule)."""
@@ -123,27 +71,6 @@ def test_bins_follow_the_block_rule_and_one_block_is_the_whole_corpus_pass(corpu
     assert got.stats["blocks"] == len(parts) and got.stats["documents"] == len(starts)
     # each document's tokens once: whole where it fits a bin
     assert int(length.sum()) == end - int(starts[0])
-
-
-def test_blocks_pad_within_a_tenth_of_a_point_of_one_whole_corpus_pass():
-    """Web-like lengths (lognormal, median 600), seq_len 4096: 2·10^5 documents in blocks of
-    ~2·10^4 pad within 0.1 percentage point of one pass over all of them (docs/scale.md: 10^7
-    documents in blocks of 2^30 tokens, 0.0002 point)."""
-    rng = np.random.default_rng(35)
-    lengths = np.maximum(1, rng.lognormal(np.log(600), 1.0, 200_000)).astype(np.int64)
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    total, B, cap = int(lengths.sum()), 1 << 24, 4097
-
-    def padding(bins):
-        return 1 - total / (bins * cap)
-
-    whole = layout.best_fit(starts, total, cap).n_bins
-    blocks = 0
-    for lo in range(0, total, B):
-        inside = starts[(starts >= lo) & (starts < lo + B)]
-        after = starts[starts >= lo + B]
-        blocks += layout.best_fit(inside, int(after[0]) if len(after) else total, cap).n_bins
-    assert total // B >= 10 and abs(padding(blocks) - padding(whole)) < 0.001
 
 
 CHILD = textwrap.dedent("""
@@ -296,11 +223,6 @@ def test_a_stop_during_the_join_ends_it_within_a_second_and_the_next_build_joins
     packed._tables.clear()
     packed.packed(src, SEQ, Context(str(cache.parent / "clean"), packing=PackingConfig(block_tokens=211, workers=1)))
     assert sidecar(cache.parent / "clean", src, 211) == again
-
-
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 def test_a_server_stopping_ends_its_packing_build_within_a_second(corpus, cache, monkeypatch):

@@ -92,3 +92,13 @@ def test_blocks_pad_within_a_tenth_of_a_point_of_one_whole_corpus_pass():
 def _mkdir(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def test_review38_a_numpy_end_past_2_to_the_53_counts_the_last_documents_tokens_exactly():
+    """The last document's length is end less its start: with an np.uint64 end that was a float64,
+    off past 2^53 tokens, and the packer's count of pieces then disagreed with its own."""
+    starts = np.array([2**62 + 413, 2**62 + 2041])
+    assert layout.doc_lengths(starts, np.uint64(2**62 + 2064)).tolist() == [1628, 23]
+    got = layout.best_fit(starts, np.uint64(2**62 + 2064), 1000)
+    assert got.ptr.tolist() == [0, 1, 3] and (got.start - 2**62).tolist() == [413, 1413, 2041] \
+        and got.length.tolist() == [1000, 628, 23]

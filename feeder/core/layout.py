@@ -204,7 +204,7 @@ def doc_lengths(starts: np.ndarray, end: int) -> np.ndarray:
     out = np.empty(len(starts), dtype=np.int64)
     if len(starts):
         np.subtract(starts[1:], starts[:-1], out=out[:-1])
-        out[-1] = end - starts[-1]
+        out[-1] = int(end) - int(starts[-1])   # (an np.uint64 end less an int64 is a float64)
     return out
 
 

@@ -54,6 +54,13 @@ class FeederBatch:
     # the other; input_ids, labels, position_ids and loss_mask are at its positions of the sample.
     # None: the whole sample.
     cp: tuple[int, int, int, str] | None = None
+    # An elastic stream's (feeder_client.elastic): `step` is the global step; this replica's
+    # micro-batches in it (`parts`; this is the `part`-th, from 0) and the samples of the whole
+    # step over every live replica (`step_samples`: divide a summed loss by it). parts 0: this
+    # replica has nothing in the step (the batch holds no sample). 0 / 0 / 0 for other streams.
+    parts: int = 0
+    part: int = 0
+    step_samples: int = 0
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -155,7 +162,8 @@ def pinned(n: int, sample_len: int) -> torch.Tensor:
 
 def decode(b: pb.Batch, region: str = "",
            alloc: Callable[[int, int], torch.Tensor] | None = None, sources: bytes | None = None,
-           boundaries: bytes | None = None, cp: tuple[int, int, int, str] | None = None) -> FeederBatch:
+           boundaries: bytes | None = None, cp: tuple[int, int, int, str] | None = None,
+           elastic: bytes | None = None) -> FeederBatch:
     """One batch's tensors; FeederError(DATA_LOSS) when the batch is corrupt.
 
     The tokens are widened from the reply into their int64 tensor in one pass: into a fresh
@@ -189,8 +197,15 @@ def decode(b: pb.Batch, region: str = "",
         raise FeederError(f"batch epoch {b.epoch} step {b.step} has samples of {b.sample_len} tokens, expected a "
                           f"context-parallel member's {cp_row(*cp)} (seq_len {cp[0]}, cp_size {cp[1]}, cp_layout "
                           f"{cp[3]!r}): a feeder release without context parallelism?", code=Code.FAILED_PRECONDITION)
+    parts = part = step_samples = 0
+    if elastic is not None:
+        if len(elastic) != 24:
+            raise FeederError(f"batch epoch {b.epoch} step {b.step} has {len(elastic)} bytes of step fields, "
+                              "expected 24", code=Code.DATA_LOSS)
+        parts, part, step_samples = (int(v) for v in np.frombuffer(elastic, dtype="<i8"))
     return FeederBatch(tokens=tokens, sample_ids=ids, epoch=b.epoch, step=b.step, cursor=b.cursor, region=region,
-                       sources=src, boundary_bytes=boundaries, cp=cp)
+                       sources=src, boundary_bytes=boundaries, cp=cp, parts=parts, part=part,
+                       step_samples=step_samples)
 
 
 def cp_row(seq_len: int, cp_size: int, cp_rank: int, layout: str) -> int:

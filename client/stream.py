@@ -424,9 +424,14 @@ class FeederClient:
                                   code=Code.FAILED_PRECONDITION)
             s = self.cfg.spec
             cp = (s.seq_len, s.cp_size, s.cp_rank, s.cp_layout) if s.cp_size > 1 else None
+            steps = reply.elastic   # an elastic stream's: one entry per batch
+            if s.elastic and len(steps) != len(reply.batches):
+                raise FeederError(f"the feeder sent {len(steps)} batches' step fields for {len(reply.batches)} batches "
+                                  "of an elastic stream (a feeder release without live elasticity?)",
+                                  code=Code.FAILED_PRECONDITION)
             for j, b in enumerate(reply.batches):
                 run.append(decode(b, reply.region, self._alloc, sources[j] if sources else None,
-                                  bounds[j] if bounds else None, cp))
+                                  bounds[j] if bounds else None, cp, steps[j] if steps else None))
                 if len(run) >= size:
                     if not self._hand(run):
                         return False

@@ -31,6 +31,8 @@ UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_NAME = 256
+# A global batch's policies under live elasticity (feeder.core.steps); "": a fixed world.
+GLOBAL_BATCH = ("", "constant", "shrink")
 MAX_SOURCES = 256    # sources in one mixture
 # A mixture's positions per epoch: 3.5·10^13 (10^17 tokens at 4096 a sample). Each position's source is
 # computed alone (feeder/core/blend.py coupling), whose float margin stays small up to ~2^46.
@@ -181,6 +183,15 @@ class StreamSpec:
     cp_rank: int = 0
     cp_size: int = 1
     cp_layout: str = "zigzag"
+    # Live elasticity (docs/elastic.md, feeder.core.steps): "" deals a fixed world (rank of
+    # world_size); "constant" or "shrink" deals global steps over the replicas live at each
+    # (rank of world_size are then this replica and the live replicas), `accumulation`
+    # micro-batches per replica per step, a constant global batch sized for `start_replicas`,
+    # from global step `first_step` (a cursor overrides it).
+    global_batch: str = ""
+    accumulation: int = 1
+    start_replicas: int = 0
+    first_step: int = 0
 
     def __post_init__(self):
         if not isinstance(self.job, str) or not 0 < len(self.job) <= MAX_NAME or not self.job.isprintable():
@@ -239,6 +250,33 @@ class StreamSpec:
         why = divisibility(self.seq_len, self.cp_size, self.cp_layout)
         if why:
             raise InvalidArgument(why)
+        self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        if self.global_batch not in GLOBAL_BATCH:
+            raise InvalidArgument(f"global_batch must be constant or shrink (or empty for a fixed world), "
+                                  f"got {shown(self.global_batch)}")
+        _positive("accumulation", self.accumulation, upper=MAX_MICRO_BATCH)
+        _non_negative("first_step", self.first_step, upper=UINT64_MAX)
+        _non_negative("start_replicas", self.start_replicas, upper=1 << 20)
+        if not self.global_batch:
+            return
+        if self.global_batch == "constant" and self.start_replicas == 0:
+            object.__setattr__(self, "start_replicas", self.world_size)
+        # Each of these re-deals or splits a fixed world's stream; a step's part is dealt anew
+        # over each step's live replicas instead.
+        for flag in ("reshard", "remix"):
+            if getattr(self, flag):
+                raise InvalidArgument(f"{flag} does not apply to an elastic stream (global_batch="
+                                      f"{self.global_batch}): every step is dealt over the replicas live at it")
+        if self.num_workers != 1:
+            raise InvalidArgument(f"an elastic stream (global_batch={self.global_batch}) is read by one process per "
+                                  f"replica member, got num_workers={self.num_workers}; use num_workers=1")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether global steps are dealt over the replicas live at each (feeder.core.steps)."""
+        return bool(self.global_batch)
 
     @property
     def end_epoch(self) -> int:

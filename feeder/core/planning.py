@@ -14,11 +14,11 @@ import dataclasses
 
 import numpy as np
 
-from feeder.core import order, sampler
+from feeder.core import order, sampler, steps
 from feeder.core.config import StreamSpec
 from feeder.core.cursor import Cursor, Position
 from feeder.core.errors import FailedPrecondition
-from feeder.core.sampling_key import cursor_mismatch
+from feeder.core.sampling_key import CURSOR, DEAL, cursor_mismatch
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,18 @@ class Start:
     world: int
     pos: int
     step: int
+
+
+@dataclass(frozen=True)
+class ElasticStart:
+    """Where an elastic stream starts: global step `step` of `epoch`; under shrink, at position
+    `pos` of every rank's list in segment (base, world); its first `skip` parts already delivered."""
+    epoch: int
+    step: int
+    base: int
+    world: int
+    pos: int
+    skip: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,10 @@ class PlannedRun:
     cursors: tuple[Cursor, ...] | None = None  # [k], written by the plan
     sources: np.ndarray | None = None          # int64 [len(ids)]: a mixture's source of each sample,
     positions: np.ndarray | None = None        # and the epoch position it fills (for the ledger)
+    # An elastic stream's (feeder.core.steps): int64 [k, 3], per batch this replica's micro-batches
+    # in the step, the batch's index among them and the whole step's samples. Every batch of the
+    # run is of global step `step` then (one run is one step's part).
+    elastic: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.stops)
@@ -89,9 +105,10 @@ class PlannedRun:
         """Batches i..j-1, as a run (views of this run's arrays)."""
         a = (int(self.stops[i - 1]) if i else self.start) - self.start   # their samples: [a, b)
         b = int(self.stops[j - 1]) - self.start if j > i else a
-        tok, cur, src, at = self.tokens, self.cursors, self.sources, self.positions
+        tok, cur, src, at, el = self.tokens, self.cursors, self.sources, self.positions, self.elastic
         return PlannedRun(epoch=self.epoch, base=self.base, world=self.world, start=self.start + a,
-                          step=self.step + i, ids=self.ids[a:b], stops=self.stops[i:j],
+                          step=self.step + (i if el is None else 0), ids=self.ids[a:b], stops=self.stops[i:j],
+                          elastic=None if el is None else el[i:j],
                           samples_in_epoch=self.samples_in_epoch, tokens=None if tok is None else tok[a:b],
                           cursors=None if cur is None else cur[i:j], sources=None if src is None else src[a:b],
                           positions=None if at is None else at[a:b])
@@ -138,7 +155,7 @@ class StreamPlan(PlanBase):
         if self.n == 0:
             raise FailedPrecondition(f"the dataset has {n_tokens} tokens, too few for one sample of "
                                      f"seq_len + 1 = {spec.seq_len + 1} tokens")
-        if sampler.per_rank(self.n, spec.world_size, spec.drop_last) == 0:
+        if sampler.per_rank(self.n, spec.start_replicas or spec.world_size, spec.drop_last) == 0:
             what = (f"the mixture's epoch_samples is {self.n}" if spec.mixture else
                     f"the dataset yields {self.n} samples of seq_len {spec.seq_len}")
             raise FailedPrecondition(f"{what}, fewer than world_size {spec.world_size}: with drop_last every rank "
@@ -152,7 +169,7 @@ class StreamPlan(PlanBase):
         if spec.shuffle and order.kind_of(spec.permutation).needs_c and order.why_not_served("torch"):
             raise FailedPrecondition(order.why_not_served("torch"), elsewhere=True)
         self.waiting = ""   # why the next run is not ready (an order being built), for the rank
-        self.start = self._start(cursor)
+        self.start = self._elastic_start(cursor) if spec.elastic else self._start(cursor)
 
     def _start(self, c: Cursor | None) -> Start:
         s = self.spec
@@ -178,6 +195,57 @@ class StreamPlan(PlanBase):
             base = sampler.reshard_base(n=self.n, base=c.base, world=c.world_size, pos=c.pos)
             return Start(epoch=c.epoch, base=base, world=s.world_size, pos=0, step=c.step)
         return Start(epoch=c.epoch, base=c.base, world=c.world_size, pos=c.pos, step=c.step)
+
+    def _elastic_start(self, c: Cursor | None) -> "ElasticStart":
+        """Where an elastic stream starts: global step first_step (constant: a pure function of
+        it; shrink: step 0, or where the cursor after the last committed step says), or inside
+        a step whose first parts the cursor's stream already delivered (a broken stream resumed)."""
+        s, n = self.spec, self.n
+        mb, steps_of = s.micro_batch, s.micro_batch * s.accumulation
+        if s.global_batch == "constant":
+            spe = steps.steps_per_epoch(sampler.per_rank(n, s.start_replicas, s.drop_last), mb, s.accumulation)
+            step, skip = s.first_step, 0
+            if c is not None:
+                self._check_elastic_cursor(c)
+                step, skip = c.step, c.pos
+                if skip and (c.world_size, c.rank) != (s.world_size, s.rank):
+                    raise self._mid_step(c)
+            return ElasticStart(epoch=s.epoch + step // spe, step=step, base=0, world=s.world_size, pos=0, skip=skip)
+        if c is None:
+            if s.first_step:
+                raise FailedPrecondition(
+                    f"global_batch=shrink: where step {s.first_step} begins depends on the worlds of the steps "
+                    "committed before it, and no cursor was sent and none was recorded for this job: send the cursor "
+                    "after the last committed step (ElasticFeeder.commit records it with the feeders)")
+            return ElasticStart(epoch=s.epoch, step=0, base=0, world=s.world_size, pos=0, skip=0)
+        self._check_elastic_cursor(c)
+        epoch, base, pos, skip = c.epoch, c.base, c.pos, 0
+        per = sampler.per_rank(n - base, c.world_size, s.drop_last)
+        if pos % steps_of and pos < per:   # inside a step: only its own stream goes on in it
+            if (c.world_size, c.rank) != (s.world_size, s.rank):
+                raise self._mid_step(c)
+            skip, pos = pos % steps_of // mb, pos - pos % steps_of
+        elif c.world_size != s.world_size:   # a new world from the last committed step on
+            base, pos = sampler.reshard_base(n=n, base=base, world=c.world_size, pos=pos), 0
+        if pos >= sampler.per_rank(n - base, s.world_size, s.drop_last):   # the epoch ended with that step
+            epoch, base, pos = epoch + 1, 0, 0
+        return ElasticStart(epoch=epoch, step=c.step, base=base, world=s.world_size, pos=pos, skip=skip)
+
+    def _check_elastic_cursor(self, c: Cursor) -> None:
+        c = dataclasses.replace(c, permutation=self._cursor_permutation(c))
+        wrong = cursor_mismatch(c, self.spec, self.fingerprint, fields=tuple(f for f in CURSOR if f not in DEAL))
+        if wrong is not None:
+            raise wrong
+        if not 0 <= c.rank < c.world_size or c.base > self.n:
+            raise FailedPrecondition("cursor does not fit this stream: it names no place in it "
+                                     f"(rank {c.rank} of {c.world_size}, base {c.base} of {self.n} samples)")
+
+    def _mid_step(self, c: Cursor) -> FailedPrecondition:
+        s = self.spec
+        return FailedPrecondition(
+            f"cursor does not fit this stream: it is inside step {c.step} as replica {c.rank} of {c.world_size}, and "
+            f"this stream is replica {s.rank} of {s.world_size}; a step is dealt again whole when the world changes: "
+            f"ask step {c.step} without a cursor (constant) or with the cursor after the last committed step (shrink)")
 
     def _cursor_permutation(self, c: Cursor) -> str:
         """The cursor's permutation as it decides this stream's orders (as the spec's is)."""
@@ -217,7 +285,10 @@ class StreamPlan(PlanBase):
     def runs(self, max_batches: int = 64) -> Iterator["PlannedRun"]:
         """The stream as runs of up to `max_batches` consecutive batches of one epoch, each
         planned with one vectorized sampler call (the feeder's fast path reads, checksums and
-        frames a run at a time)."""
+        frames a run at a time). An elastic stream's runs are its parts of successive steps."""
+        if self.spec.elastic:
+            yield from self._step_runs()
+            return
         s, n, mb = self.spec, self.n, self.spec.micro_batch
         epoch, end = self.start.epoch, s.end_epoch
         while epoch < end:
@@ -255,6 +326,54 @@ class StreamPlan(PlanBase):
                 step += len(stops)
                 pos = stop
             epoch += 1
+
+    def _step_runs(self) -> Iterator["PlannedRun"]:
+        """This replica's parts of steps start.step, start.step + 1, ... (feeder.core.steps), a run each."""
+        s, n, st = self.spec, self.n, self.start
+        epoch, step, base, pos, skip = st.epoch, st.step, st.base, st.pos, st.skip
+        deal = dict(replica=s.rank, replicas=s.world_size, micro_batch=s.micro_batch, accumulation=s.accumulation,
+                    drop_last=s.drop_last)
+        while epoch < s.end_epoch:
+            ids_of = yield from self._order(epoch, early=False)
+            if s.global_batch == "constant":
+                spe = steps.steps_per_epoch(sampler.per_rank(n, s.start_replicas, s.drop_last), s.micro_batch,
+                                            s.accumulation)
+                for t in range(step - (epoch - s.epoch) * spe, spe):
+                    part = steps.constant_part(ids_of, n=n, epoch=epoch, t=t, step=step, start_replicas=s.start_replicas,
+                                               **deal)
+                    yield self._step_run(part, skip, base=0, pos=0, spe=spe)
+                    step, skip = step + 1, 0
+            else:
+                per = sampler.per_rank(n - base, s.world_size, s.drop_last)
+                while pos < per:
+                    part = steps.shrink_part(ids_of, n=n, epoch=epoch, base=base, pos=pos, step=step, **deal)
+                    yield self._step_run(part, skip, base=base, pos=pos)
+                    step, skip, pos = step + 1, 0, pos + sum(part.counts)
+                base, pos = 0, 0
+            epoch += 1
+
+    def _step_run(self, part: "steps.Part", skip: int, *, base: int, pos: int, spe: int = 0) -> "PlannedRun":
+        """One step's part as a run, with the cursor after each of its batches: inside the step
+        (resumed only by this replica of this world), or after it (the next step's start: the
+        cursor a shrink job's next step begins from once this one commits)."""
+        s, k = self.spec, len(part.counts)
+        stops = np.cumsum(part.counts, dtype=np.int64)
+        cursors = []
+        for j in range(k):
+            if j + 1 < k:
+                at = dict(epoch=part.epoch, step=part.step, pos=j + 1 if spe else pos + int(stops[j]))
+            elif spe:   # constant: the next step's epoch follows from its number
+                at = dict(epoch=s.epoch + (part.step + 1) // spe, step=part.step + 1, pos=0)
+            else:
+                at = dict(epoch=part.epoch, step=part.step + 1, pos=pos + int(stops[j]))
+            cursors.append(Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
+                                  drop_last=s.drop_last, seq_len=s.seq_len, world_size=s.world_size, rank=s.rank,
+                                  base=base, src=self.src, permutation=s.permutation, **at))
+        elastic = np.empty((k, 3), dtype=np.int64)
+        elastic[:, 0], elastic[:, 1], elastic[:, 2] = part.parts, np.arange(k), part.step_samples
+        run = PlannedRun(epoch=part.epoch, base=base, world=s.world_size, start=0, step=part.step, ids=part.ids,
+                         stops=stops, samples_in_epoch=self.n, cursors=tuple(cursors), elastic=elastic)
+        return run if not skip else run._part(skip, k)
 
     def _order(self, epoch: int, early: bool):
         """The epoch's order (with `early`, maybe only its first positions: sampler.Early),

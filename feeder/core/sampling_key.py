@@ -26,15 +26,18 @@ BATCHES = ("micro_batch", "epoch", "num_epochs")
 # `packing` decides the samples too, but through the fingerprint a plan gives its cursors (a
 # packed stream's is its packing's: feeder.sources.packed); `boundaries` decides what a batch
 # carries, and ranks of one model must see the same.
-JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES, "packing", "boundaries")
+# An elastic job (live replicas, feeder.core.steps) shares its policy, accumulation and the world
+# its constant global batch is sized for; its live world changes from step to step.
+ELASTIC = ("global_batch", "accumulation", "start_replicas")
+JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES, "packing", "boundaries", *ELASTIC)
 # What a cursor records of the stream that wrote it, and a resumed stream must match
 # (world_size and rank only without reshard: re-dealing to another world is what reshard is for).
 CURSOR = ("job", "fingerprint", *SAMPLES, *DEAL)
 
 
 def job_key(spec: StreamSpec) -> tuple:
-    """The values of JOB, in order."""
-    return tuple(getattr(spec, name) for name in JOB)
+    """The values of JOB, in order (an elastic job's world_size is its live world's: not shared)."""
+    return tuple(0 if name == "world_size" and spec.elastic else getattr(spec, name) for name in JOB)
 
 
 def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:

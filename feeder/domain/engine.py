@@ -19,7 +19,8 @@ from feeder.core import scope
 from feeder.sources import packed
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.cursor import Cursor, Mixture
-from feeder.core.errors import InvalidArgument, NotFound, Unavailable
+from feeder.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from feeder.domain.commits import CommitLog
 from feeder.domain.order_store import OrderStore
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.jobs import Job, Jobs, RankState
@@ -60,6 +61,8 @@ class Engine:
         # server in this process keeps its own).
         self.context = Context(cache_dir=cfg.cache, orders=self.orders, packing=cfg.packing)
         self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
+        # Elastic jobs' committed steps (feeder.core.steps), shared through the cache directory.
+        self.commits = CommitLog(cfg.cache)
 
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
@@ -115,6 +118,8 @@ class Engine:
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
                           failover: bool = False) -> RankStream:
         src = None if spec.mixture else self.source(spec.dataset)
+        if not cursor and spec.global_batch == "shrink" and spec.first_step:
+            cursor = await self._committed(spec)
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
         if spec.mixture:
             src, spec = self.mixture(spec, decoded)
@@ -148,6 +153,32 @@ class Engine:
                  " (failover)" if failover else "")
         self.on_change()
         return stream
+
+    async def _committed(self, spec: StreamSpec) -> bytes:
+        """The cursor after step first_step - 1 of a shrink job, for a replica that has none (new,
+        or restarted): from the job's commit log, waiting for the report of that step's commit
+        (sent by the replicas that ran it, off their critical path, so it may trail this ask)."""
+        step, waited = spec.first_step - 1, 0.0
+        while (got := await asyncio.to_thread(self.commits.cursor_after, spec.job, step)) is None:
+            if waited >= ELASTIC_COMMIT_WAIT_S:
+                why = f" (the log cannot be written: {self.commits.failed})" if self.commits.failed else ""
+                raise FailedPrecondition(
+                    f"job {spec.job!r} (global_batch=shrink): no replica reported step {step}'s commit to a feeder "
+                    f"sharing this cache directory within {ELASTIC_COMMIT_WAIT_S:.0f} s{why}; where step "
+                    f"{spec.first_step} begins depends on it. Send the cursor after the last committed step "
+                    "(ElasticFeeder(cursor=...)), or have the replicas' commits reported (ElasticFeeder.commit)")
+            await asyncio.sleep(0.1)
+            waited += 0.1
+        return got
+
+    def commit(self, job: str, replica: int, step: int, committed: bool, replicas: int, cursor: bytes) -> None:
+        """An elastic job's step ended (committed or not): into the commit log and the ledger."""
+        if cursor:   # (verified here too: a record any feeder will trust later must be one of ours)
+            Cursor.decode(cursor, self.cfg.cursor_secret)
+        self.commits.record(job, step=step, committed=committed, replicas=replicas, replica=replica, cursor=cursor)
+        if self.ledger:
+            self.ledger.write(json.dumps({"commit": job, "step": step, "committed": committed, "replicas": replicas,
+                                          "replica": replica}) + "\n")
 
     async def _join_members(self, stream: RankStream, src: Source, cursor: bytes) -> None:
         """A member of a model-parallel rank takes its messages from the rank's window (built
@@ -189,6 +220,8 @@ class Engine:
                 a, b = bounds[j], bounds[j + 1]
                 rec = {"job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
                        "step": int(block.steps[j]), "ids": block.ids[a:b].tolist()}
+                if block.elastic is not None:   # a global step's part: audit holds it to the step's commit
+                    rec.update(elastic=s.global_batch, part=int(block.elastic[j, 1]), parts=int(block.elastic[j, 0]))
                 if block.sources is not None:   # a mixture: audit counts positions, and sources by name
                     names = stream.state.mixture
                     rec.update(ids=block.positions[a:b].tolist(),
@@ -288,6 +321,10 @@ def member_status(r) -> tuple[MemberStatus, ...]:
                               behind=ahead[1] - pos[1] if pos[0] == ahead[0] else 0)
                  for (cp, member), pos, joined in seen)
 
+
+# How long a new replica of a shrink job waits for the commit of the step before its first to be
+# reported (the survivors report it as they go on: well under a step's time).
+ELASTIC_COMMIT_WAIT_S = 60.0
 
 # Threads that make plans (Source.plan may block: a Kafka epoch's snapshot is built once while
 # its job's other ranks wait for it), apart from the batch threads so those never wait on it.

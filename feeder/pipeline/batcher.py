@@ -46,6 +46,7 @@ class Block:
     sources: np.ndarray | None = None   # int64 [sum(counts)]: a mixture's source of each sample,
     positions: np.ndarray | None = None  # and the epoch position it fills (for the ledger)
     boundaries: Bounds | None = None     # where documents start in each sample (streams with boundaries)
+    elastic: np.ndarray | None = None    # int64 [k, 3]: an elastic stream's (parts, part, step samples) per batch
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -87,7 +88,7 @@ def _zstd(level: int) -> pa.Codec:
 def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str, level: int,
            samples_in_epoch: int, read_s: float, dtype: np.dtype, sources: np.ndarray | None = None,
            positions: np.ndarray | None = None, boundaries: Bounds | None = None,
-           windows: list[tuple[int, int]] | None = None) -> Block:
+           windows: list[tuple[int, int]] | None = None, elastic: np.ndarray | None = None) -> Block:
     tokens, payloads = None, None
     sample_len = rows.n
     if windows is not None:   # a context-parallel member's windows of each sample (feeder.core.context)
@@ -108,7 +109,7 @@ def _block(rows: Rows, *, ids, counts, epochs, steps, cursors, compression: str,
                  compression=compression, sample_len=sample_len, samples_in_epoch=samples_in_epoch,
                  raw_bytes=raw_bytes, read_s=read_s,
                  payload_bytes=raw_bytes if payloads is None else sum(map(len, payloads)), sources=sources,
-                 positions=positions, boundaries=boundaries)
+                 positions=positions, boundaries=boundaries, elastic=elastic)
 
 
 def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compression: str, level: int,
@@ -149,8 +150,12 @@ def block_from_runs(plan: Plan, runs: list[PlannedRun], *, seq_len: int, compres
             written += [cursors.encode(c) for c in r.cursors]
         counts += [b - a for a, b in zip([r.start, *stops], stops)]
         epochs += [r.epoch] * len(stops)
-        steps += range(r.step, r.step + len(stops))
+        # (an elastic run is one global step's part: every batch of it is of that step)
+        steps += range(r.step, r.step + len(stops)) if r.elastic is None else [r.step] * len(stops)
+    elastic = None
+    if runs[0].elastic is not None:
+        elastic = runs[0].elastic if len(runs) == 1 else np.concatenate([r.elastic for r in runs])
     return _block(rows, ids=ids, counts=np.array(counts, dtype=np.int64), epochs=np.array(epochs, dtype=np.int64),
                   steps=np.array(steps, dtype=np.int64), cursors=written, compression=compression, level=level,
                   samples_in_epoch=runs[-1].samples_in_epoch, read_s=read_s, dtype=plan.dtype, sources=sources,
-                  positions=positions, boundaries=bounds, windows=windows)
+                  positions=positions, boundaries=bounds, windows=windows, elastic=elastic)

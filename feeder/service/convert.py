@@ -105,7 +105,8 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       mixture=tuple((m.source, m.weight) for m in r.mixture), epoch_samples=r.epoch_samples,
                       remix=r.remix, permutation=r.permutation, packing=r.packing or "concat",
                       boundaries=r.boundaries, member=r.member, members=max(1, r.members), cp_rank=r.cp_rank,
-                      cp_size=max(1, r.cp_size), cp_layout=r.cp_layout or "zigzag")
+                      cp_size=max(1, r.cp_size), cp_layout=r.cp_layout or "zigzag", global_batch=r.global_batch,
+                      accumulation=max(1, r.accumulation), start_replicas=r.start_replicas, first_step=r.first_step)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
@@ -131,7 +132,8 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
         remix=s.remix, permutation=s.permutation if permutation is None else permutation,
         packing="" if s.packing == "concat" else s.packing, boundaries=s.boundaries, member=s.member,
-        members=s.members, cp_rank=s.cp_rank, cp_size=s.cp_size, cp_layout=s.cp_layout)
+        members=s.members, cp_rank=s.cp_rank, cp_size=s.cp_size, cp_layout=s.cp_layout, global_batch=s.global_batch,
+        accumulation=s.accumulation, start_replicas=s.start_replicas, first_step=s.first_step)
 
 
 def waiting_reply(region: str, waiting: str) -> bytes:

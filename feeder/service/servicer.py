@@ -170,6 +170,10 @@ class FeederServicer(pb_grpc.FeederServicer):
 
     @unary
     async def Report(self, request, context):
+        if request.has_commit:   # an elastic job's step ended (off the trainer's critical path)
+            self.engine.commit(request.job, request.rank, request.committed_step, request.committed,
+                               request.replicas, request.step_cursor)
+            return pb.ReportReply()
         self.engine.report(request.job, request.rank, request.wait_s, request.step_s,
                            (request.epoch, request.step) if request.has_position else None, request.batches)
         return pb.ReportReply()

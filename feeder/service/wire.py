@@ -108,6 +108,14 @@ def _entries(field: int, data: np.ndarray, sizes: np.ndarray) -> bytes:
     return out.tobytes()
 
 
+def _elastic(block: Block) -> bytes:
+    """StreamReply.elastic (field 6), an elastic stream's: per batch (parts, part, step samples)."""
+    if block.elastic is None:
+        return b""
+    return _entries(6, np.ascontiguousarray(block.elastic, dtype="<i8").reshape(-1).view(np.uint8),
+                    np.full(len(block), 24, dtype=np.int64))
+
+
 def _boundaries(block: Block) -> bytes:
     """StreamReply.boundaries (field 5): one entry per batch, after everything else (as the
     sources): per sample the document starts inside it, a few bytes where its tokens are
@@ -130,9 +138,10 @@ def _boundaries(block: Block) -> bytes:
 
 def encode_reply(block: Block, region: str) -> bytes:
     if _frame is None:
-        return encode_reply_py(block, region) + _sources(block) + _boundaries(block)
+        return encode_reply_py(block, region) + _sources(block) + _boundaries(block) + _elastic(block)
     rows = block.rows
     return _frame(block.tokens, block.payloads, block.ids, block.counts, block.epochs, block.steps, block.cursors,
                   block.sample_len, np.dtype(block.dtype).itemsize, DTYPE_ENUM[block.dtype],
                   COMPRESSION_ENUM[block.compression], region.encode(),
-                  None if rows is None else (rows.bufs, rows.which, rows.offs), _sources(block) + _boundaries(block))
+                  None if rows is None else (rows.bufs, rows.which, rows.offs),
+                  _sources(block) + _boundaries(block) + _elastic(block))

@@ -1,0 +1,343 @@
+"""Live elasticity (feeder.core.steps): a global step's part for each of the replicas live at it.
+
+A seeded generator of scenarios (worlds changing at every attempt, steps that do not commit,
+streams resumed inside a step, several epochs, both policies, drop_last, both orders) run
+against an oracle written from torch's DistributedSampler alone; then the same through real
+gRPC: ElasticFeeder, a replica that joins with no state, failover to a second feeder sharing
+the commit log, and the errors a caller can get."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from torch.utils.data import DistributedSampler
+
+from feeder.core.config import ServeConfig, StreamSpec
+from feeder.core.errors import Code, FeederError
+from feeder.core.order import Stateless
+from feeder.core.planning import StreamPlan
+from feeder.service.server import ServerThread
+
+SEQ = 8
+L = 512   # the gRPC tests' seq_len: an epoch of a few dozen steps
+
+
+def epoch_order(n: int, seed: int, epoch: int, permutation: str, shuffle: bool) -> list[int]:
+    """The epoch's order as torch's DistributedSampler draws it (one replica: no padding)."""
+    if not shuffle:
+        return list(range(n))
+    if permutation == "stateless":
+        return Stateless(n, seed + epoch)[np.arange(n)].tolist()
+    s = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+def ds_list(m: int, world: int, rank: int, drop_last: bool) -> list[int]:
+    """DistributedSampler's (unshuffled) list of rank over m positions: indices into a segment."""
+    return list(DistributedSampler(range(m), num_replicas=world, rank=rank, shuffle=False, drop_last=drop_last))
+
+
+class Oracle:
+    """What each committed step must hold, derived from DistributedSampler alone."""
+
+    def __init__(self, *, n, w0, mb, acc, drop_last, seed, permutation, shuffle, policy):
+        self.n, self.w0, self.mb, self.acc, self.drop_last = n, w0, mb, acc, drop_last
+        self.order = lambda e: epoch_order(n, seed, e, permutation, shuffle)
+        self.policy = policy
+        self.epoch, self.base, self.world, self.pos = 0, 0, None, 0   # shrink: the committed segment
+
+    def constant(self, step: int) -> tuple[int, Counter] | None:
+        lists = [ds_list(self.n, self.w0, q, self.drop_last) for q in range(self.w0)]
+        per = len(lists[0])
+        spe = -(-per // (self.mb * self.acc))
+        epoch, t = divmod(step, spe)
+        o = self.order(epoch)
+        span = slice(t * self.mb * self.acc, (t + 1) * self.mb * self.acc)
+        return epoch, Counter(o[i] for q in range(self.w0) for i in lists[q][span])
+
+    def shrink(self, world: int) -> tuple[int, Counter, tuple]:
+        """The step that starts where the last committed one ended, in `world`; and the segment
+        state after it (applied by `commit`)."""
+        epoch, base, pos = self.epoch, self.base, self.pos
+        if self.world is not None and world != self.world:
+            m = self.n - base
+            consumed = min(self.world * pos, m)
+            base, pos = base + consumed, 0
+        if pos >= len(ds_list(self.n - base, world, 0, self.drop_last)):
+            epoch, base, pos = epoch + 1, 0, 0
+        o = self.order(epoch)
+        m = self.n - base
+        got = Counter()
+        for r in range(world):
+            for i in ds_list(m, world, r, self.drop_last)[pos:pos + self.mb * self.acc]:
+                got[o[base + i]] += 1
+        span = min(self.mb * self.acc, len(ds_list(m, world, 0, self.drop_last)) - pos)
+        return epoch, got, (epoch, base, world, pos + span)
+
+    def commit(self, after: tuple) -> None:
+        self.epoch, self.base, self.world, self.pos = after
+
+
+def _spec(sc, rank, world, step, **kw):
+    return StreamSpec(job="j", rank=rank, world_size=world, seq_len=SEQ, micro_batch=sc["mb"], seed=sc["seed"],
+                      shuffle=sc["shuffle"], drop_last=sc["drop_last"], num_epochs=sc["epochs"],
+                      permutation=sc["permutation"], global_batch=sc["policy"], accumulation=sc["acc"],
+                      start_replicas=sc["w0"] if sc["policy"] == "constant" else 0, first_step=step, **kw)
+
+
+def _part(sc, step, rank, world, cursor=None):
+    """Replica rank of world's runs from `step` on (the plan alone, no server), first run only."""
+    plan = StreamPlan(_spec(sc, rank, world, step), n_tokens=sc["n"] * SEQ + 1, fingerprint="f", cursor=cursor)
+    for run in plan.runs():
+        return run
+    return None
+
+
+def scenario(seed: int) -> dict:
+    rng = random.Random(seed)
+    return dict(n=rng.randint(5, 90), w0=rng.randint(1, 4), mb=rng.randint(1, 3), acc=rng.randint(1, 3),
+                drop_last=rng.random() < 0.3, seed=rng.randint(0, 99), shuffle=rng.random() < 0.9,
+                permutation=rng.choice(["torch", "stateless"]), policy=rng.choice(["constant", "shrink"]),
+                epochs=rng.randint(1, 2), rng=rng)
+
+
+def run_scenario(sc: dict) -> dict:
+    """Attempts of steps in random worlds, some not committed, some replicas' streams resumed
+    inside the step; checked step by step against the oracle, then the epochs as wholes."""
+    rng = sc["rng"]
+    oracle = Oracle(n=sc["n"], w0=sc["w0"], mb=sc["mb"], acc=sc["acc"], drop_last=sc["drop_last"], seed=sc["seed"],
+                    permutation=sc["permutation"], shuffle=sc["shuffle"], policy=sc["policy"])
+    committed: dict[int, Counter] = {}
+    cursor = None   # shrink: after the last committed step
+    step, attempts = 0, 0
+    while attempts < 400:
+        attempts += 1
+        world = rng.randint(1, sc["w0"] + 2)
+        runs = [_part(sc, step, r, world, cursor) for r in range(world)]
+        if all(run is None for run in runs):
+            break   # every epoch dealt
+        got = Counter(i for run in runs for i in run.ids.tolist())
+        total = {int(v) for run in runs for v in run.elastic[:, 2]}
+        assert len(total) == 1 and sum(got.values()) == total.pop(), (sc, step, world)
+        for run in runs:   # each batch says how many its replica has, and which it is
+            assert run.elastic[:, 0].tolist() == [len(run)] * len(run) or run.elastic[0, 0] == 0
+            assert all(c <= sc["mb"] for c in np.diff([run.start, *run.stops.tolist()]))
+            assert run.step == step
+        if sc["policy"] == "constant":
+            epoch, want = oracle.constant(step)
+            after = None
+        else:
+            epoch, want, after = oracle.shrink(world)
+        assert got == want, (sc, step, world)
+        assert {run.epoch for run in runs if len(run.ids)} <= {epoch}
+        r = rng.randrange(world)   # a stream broken inside the step resumes in it, this replica alone
+        if len(runs[r]) > 1:
+            k = rng.randrange(1, len(runs[r]))
+            again = _part(sc, step, r, world, runs[r].cursors[k - 1])
+            assert again.ids.tolist() == runs[r].ids[int(runs[r].stops[k - 1]) - runs[r].start:].tolist()
+            if world > 1:   # ... and is refused to another replica or world
+                with pytest.raises(FeederError, match="inside step"):
+                    _part(sc, step, (r + 1) % world, world, runs[r].cursors[k - 1])
+        if rng.random() < 0.8:
+            committed.setdefault(epoch, Counter())
+            committed[epoch] += got
+            if after is not None:
+                oracle.commit(after)
+            cursor = runs[0].cursors[-1]
+            step += 1
+    assert attempts < 400
+    # Every epoch whole: each sample once (beyond DistributedSampler's padding, or what drop_last leaves out).
+    n, widest = sc["n"], sc["w0"] + 2
+    for epoch in range(sc["epochs"]):
+        c = committed.get(epoch, Counter())
+        if sc["policy"] == "constant":
+            o = oracle.order(epoch)
+            assert c == Counter(o[i] for q in range(sc["w0"]) for i in ds_list(n, sc["w0"], q, sc["drop_last"]))
+        elif sc["drop_last"]:
+            assert max(c.values()) == 1 and n - len(c) < widest * 2, (sc, epoch)
+        else:
+            assert set(c) == set(range(n)) and sum(c.values()) - n < widest, (sc, epoch)
+    return committed
+
+
+@pytest.mark.parametrize("block", range(8))
+def test_generated_scenarios_against_distributed_sampler(block):
+    """400 seeded scenarios (8 blocks of 50), each up to 400 attempts."""
+    for seed in range(block * 50, block * 50 + 50):
+        run_scenario(scenario(seed))
+
+
+@pytest.mark.parametrize("policy", ["constant", "shrink"])
+@pytest.mark.parametrize("n,world,mb,acc,drop_last", [(103, 3, 2, 3, False), (64, 4, 1, 2, True), (10, 3, 4, 1, False)])
+def test_unchanged_world_is_distributed_sampler(policy, n, world, mb, acc, drop_last):
+    """With no change of world a replica's ids are DistributedSampler(num_replicas=replicas)'s."""
+    sc = dict(n=n, w0=world, mb=mb, acc=acc, drop_last=drop_last, seed=5, shuffle=True, permutation="torch",
+              policy=policy, epochs=2)
+    for r in range(world):
+        plan = StreamPlan(_spec(sc, r, world, 0), n_tokens=n * SEQ + 1, fingerprint="f", cursor=None)
+        got: dict[int, list] = {}
+        for run in plan.runs():
+            got.setdefault(run.epoch, []).extend(run.ids.tolist())
+        for epoch in range(2):
+            s = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=5, drop_last=drop_last)
+            s.set_epoch(epoch)
+            assert got[epoch] == list(s)
+
+
+def test_replicas_beyond_the_steps_micro_batches_get_an_empty_part():
+    sc = dict(n=40, w0=2, mb=2, acc=1, drop_last=False, seed=0, shuffle=True, permutation="torch",
+              policy="constant", epochs=1)
+    runs = [_part(sc, 0, r, 3) for r in range(3)]
+    assert [len(r.ids) for r in runs] == [2, 2, 0]
+    assert runs[2].elastic.tolist() == [[0, 0, 4]]
+
+
+# Through real gRPC
+
+
+@pytest.fixture(scope="module")
+def two_feeders(dataset, tmp_path_factory):
+    """Two feeders of one region: the same data, cache directory (the commit log) and secret."""
+    cache = tmp_path_factory.mktemp("elastic-cache")
+    cfg = dict(source=str(dataset), listen="127.0.0.1:0", message_bytes=4096, cache_dir=str(cache),
+               cursor_secret=b"s" * 32)
+    a, b = ServerThread(ServeConfig(**cfg)), ServerThread(ServeConfig(**cfg))
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def _feeders(targets, policy, k, job, **kw):
+    from feeder_client.elastic import ElasticFeeder
+
+    return [ElasticFeeder(targets, job=job, seq_len=L, micro_batch=2, accumulation=2, replicas=3,
+                          global_batch=policy, connect_timeout_s=10, retry_for_s=20, **kw) for _ in range(k)]
+
+
+def _n_samples(stream_len: int) -> int:
+    return (stream_len - 1) // L
+
+
+@pytest.mark.parametrize("policy", ["constant", "shrink"])
+def test_elastic_feeder_over_grpc(two_feeders, stream, policy):
+    """Worlds change, attempts fail and are dealt again, a fourth replica joins with nothing
+    (shrink: from the feeders' commit log), the tokens are the samples' tokens; every epoch's
+    sample is trained in exactly one committed step."""
+    a, b = two_feeders
+    targets = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+    feeders = _feeders(targets, policy, 4, f"grpc-{policy}", num_epochs=1)
+    n = _n_samples(len(stream))
+    plan = [(3, True), (3, False), (2, True), (2, True), (3, False), (3, True), (4, True), (1, True), (4, False),
+            (2, True)]
+    trained = Counter()
+    step = 0
+    for i, (world, commit) in enumerate(plan * 20):
+        if world == 4 and i == 6:   # a new process: no state from anyone
+            feeders[3].close()
+            feeders[3] = _feeders(targets, policy, 1, f"grpc-{policy}", num_epochs=1)[0]
+        parts = [feeders[r].step(step, r, world) for r in range(world)]
+        if all(f.finished for f in feeders[:world]):
+            break
+        ids = [i for p in parts for bt in p for i in bt.sample_ids.tolist()]
+        for p in parts:
+            for bt in p:
+                for row, sid in zip(bt.tokens.numpy(), bt.sample_ids.tolist()):
+                    assert row.tolist() == stream[sid * L:sid * L + L + 1].tolist()
+                assert bt.step == step and bt.parts == len(p) and bt.step_samples == len(ids)
+        if policy == "constant":
+            assert len(ids) == 12 or step == (-(-n // 3) - 1) // 4
+        else:
+            assert len(ids) <= 4 * world
+        for r in range(world):
+            feeders[r].commit(step, commit)
+        if commit:
+            trained.update(ids)
+            step += 1
+    assert set(trained) == set(range(n))
+    assert sum(trained.values()) - n < 4   # only DistributedSampler's padding repeats
+    for f in feeders:
+        f.close()
+
+
+def test_failover_inside_a_step(two_feeders, stream, dataset):
+    """The first feeder stops while replicas read a step: they finish it on the second, exact."""
+    cfg = dict(source=str(dataset), listen="127.0.0.1:0", message_bytes=4096, cache_dir=str(two_feeders[0].cfg.cache),
+               cursor_secret=b"s" * 32)
+    first = ServerThread(ServeConfig(**cfg))
+    targets = [f"127.0.0.1:{first.port}", f"127.0.0.1:{two_feeders[1].port}"]
+    feeders = _feeders(targets, "constant", 3, "failover", prefer="order", read_ahead=1)
+    want = {r: feeders[r].step(0, r, 3) for r in range(3)}
+    first.stop()
+    got = [feeders[r].step(s, r, 3) for s in (1, 2) for r in range(3)]
+    ref = _feeders([targets[1]], "constant", 3, "failover-ref")
+    assert [[b.sample_ids.tolist() for b in p] for p in got] == \
+        [[b.sample_ids.tolist() for b in ref[r].step(s, r, 3)] for s in (1, 2) for r in range(3)]
+    assert sum(f._client.failovers for f in feeders) >= 1   # (the others had read those steps ahead)
+    for f in feeders + ref:
+        f.close()
+    assert want
+
+
+def test_bad_requests_are_refused_clearly(two_feeders):
+    from feeder_client.elastic import ElasticFeeder
+
+    t = [f"127.0.0.1:{two_feeders[0].port}"]
+    with pytest.raises(FeederError, match="global_batch must be constant or shrink"):
+        ElasticFeeder(t, job="x", seq_len=32, micro_batch=2, replicas=2, global_batch="grow")
+    with pytest.raises(FeederError, match="unexpected arguments.*world_size"):
+        ElasticFeeder(t, job="x", seq_len=32, micro_batch=2, replicas=2, world_size=2)
+    f = ElasticFeeder(t, job="x", seq_len=32, micro_batch=2, replicas=2, connect_timeout_s=5, retry_for_s=5)
+    with pytest.raises(FeederError, match=r"replica must be in \[0, replicas\)") as e:
+        f.step(0, 2, 2)
+    assert e.value.code == Code.INVALID_ARGUMENT
+    f.close()
+    with pytest.raises(FeederError, match="num_workers=1"):
+        StreamSpec(job="j", rank=0, world_size=2, seq_len=8, micro_batch=1, global_batch="constant", num_workers=2)
+    with pytest.raises(FeederError, match="reshard does not apply"):
+        StreamSpec(job="j", rank=0, world_size=2, seq_len=8, micro_batch=1, global_batch="shrink", reshard=True)
+
+
+def test_shrink_step_without_any_commit_is_refused(two_feeders, monkeypatch):
+    """A shrink job's replica asking step 5 with no cursor, and no commit recorded: one clear
+    FAILED_PRECONDITION after the bounded wait, not a silent stall."""
+    from feeder.domain import engine
+
+    monkeypatch.setattr(engine, "ELASTIC_COMMIT_WAIT_S", 1.0)
+    f = _feeders([f"127.0.0.1:{two_feeders[0].port}"], "shrink", 1, "never-committed")[0]
+    with pytest.raises(FeederError, match="no replica reported step 4's commit") as e:
+        f.step(5, 0, 2)
+    assert e.value.code == Code.FAILED_PRECONDITION
+    f.close()
+
+
+def test_other_sampling_fields_refused_within_one_job(two_feeders):
+    """Replicas of one elastic job share policy and accumulation (the world may differ)."""
+    t = [f"127.0.0.1:{two_feeders[0].port}"]
+    a = _feeders(t, "constant", 1, "agree")[0]
+    a.step(0, 0, 3)
+    from feeder_client.elastic import ElasticFeeder
+
+    b = ElasticFeeder(t, job="agree", seq_len=L, micro_batch=2, accumulation=3, replicas=3, connect_timeout_s=5,
+                      retry_for_s=5)
+    with pytest.raises(FeederError, match="accumulation") as e:
+        b.step(0, 1, 2)
+    assert e.value.code == Code.FAILED_PRECONDITION
+    c = _feeders(t, "constant", 1, "agree")[0]
+    assert len(c.step(0, 1, 2)) == 3   # another world, same job: served
+    for f in (a, b, c):
+        f.close()
+
+
+def test_spec_round_trips_the_elastic_fields():
+    from feeder.service.convert import stream_request
+
+    s = StreamSpec(job="j", rank=1, world_size=3, seq_len=8, micro_batch=2, global_batch="shrink", accumulation=4,
+                   first_step=17)
+    r = stream_request(s)
+    assert (r.global_batch, r.accumulation, r.first_step, r.start_replicas) == ("shrink", 4, 17, 0)
+    c = dataclasses.replace(s, global_batch="constant", start_replicas=0)
+    assert c.start_replicas == 3

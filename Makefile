@@ -17,7 +17,7 @@ env: $(STAMP)
 $(STAMP): pyproject.toml setup.py feeder/_native.c feeder/_shuffle.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off -q --upgrade pip setuptools wheel "grpcio-tools>=1.60"
-	$(PY) -m pip install --progress-bar off -q --no-build-isolation -e '.[train,bench,kafka,ops,tls,frameworks,dev,formats,docs]'
+	$(PY) -m pip install --progress-bar off -q --no-build-isolation -e '.[train,bench,kafka,ops,tls,frameworks,dev,formats,docs,torchft]'
 	$(PY) -m pip install --progress-bar off -q --no-deps 'mosaicml-streaming==0.13.0'
 	@touch $(STAMP)
 

@@ -31,10 +31,10 @@ from feeder.core.config import StreamSpec
 from feeder.core.errors import Code, FeederError
 from feeder.v1 import feeder_pb2 as pb
 
-from feeder_client.config import ClientConfig
-from feeder_client.decode import FeederBatch
-from feeder_client.stream import FeederClient
-from feeder_client.transport import Transport
+from .config import ClientConfig
+from .decode import FeederBatch
+from .stream import FeederClient
+from .transport import Transport
 
 log = logging.getLogger("feeder_client.elastic")
 

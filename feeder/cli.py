@@ -135,6 +135,17 @@ def cmd_health(args) -> int:
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _elastic_verdict(r: dict) -> str:
+    head = f"job {r['job']} epoch {r['epoch']}: {r['samples']} samples in {r['committed_steps']} committed steps"
+    if r["exactly_once"]:
+        return (f"{head}: every sample trained in exactly one committed step ({r['n_duplicate_deliveries']} repeats "
+                "are DistributedSampler padding)")
+    return (f"{head}: NOT exactly once: {r['n_missing']} missing {r['missing'][:20]}, {r['n_duplicate_deliveries']} "
+            f"duplicates {r['duplicates'][:20]} (padding allows {r['padding_allowed']}), "
+            f"{len(r['incomplete_steps'])} committed steps with parts never sent {r['incomplete_steps'][:3]}, "
+            f"{len(r['conflicts'])} conflicts")
+
+
 def cmd_audit(args) -> int:
     import json
 
@@ -144,6 +155,9 @@ def cmd_audit(args) -> int:
     for r in results:
         if args.json:
             print(json.dumps(r))
+            continue
+        if r.get("elastic"):
+            print(_elastic_verdict(r))
             continue
         head = f"job {r['job']} epoch {r['epoch']}: {r['samples']} samples in {r['batches']} batches"
         if r["exactly_once"]:

@@ -85,9 +85,10 @@ class PlannedRun:
     cursors: tuple[Cursor, ...] | None = None  # [k], written by the plan
     sources: np.ndarray | None = None          # int64 [len(ids)]: a mixture's source of each sample,
     positions: np.ndarray | None = None        # and the epoch position it fills (for the ledger)
-    # An elastic stream's (feeder.core.steps): int64 [k, 3], per batch this replica's micro-batches
-    # in the step, the batch's index among them and the whole step's samples. Every batch of the
-    # run is of global step `step` then (one run is one step's part).
+    # An elastic stream's (feeder.core.steps): int64 [k, 5], per batch this replica's micro-batches
+    # in the step, the batch's index among them, the whole step's samples, and the base and
+    # position of the cursor after the step. Every batch of the run is of global step `step` then
+    # (one run is one step's part).
     elastic: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -369,8 +370,11 @@ class StreamPlan(PlanBase):
             cursors.append(Cursor(job=s.job, fingerprint=self.fingerprint, seed=s.seed, shuffle=s.shuffle,
                                   drop_last=s.drop_last, seq_len=s.seq_len, world_size=s.world_size, rank=s.rank,
                                   base=base, src=self.src, permutation=s.permutation, **at))
-        elastic = np.empty((k, 3), dtype=np.int64)
+        # (base and the position after the step, as the cursor after it says: which dealing of the
+        # step this is, for the ledger; constant has one, shrink one per chain of committed worlds)
+        elastic = np.empty((k, 5), dtype=np.int64)
         elastic[:, 0], elastic[:, 1], elastic[:, 2] = part.parts, np.arange(k), part.step_samples
+        elastic[:, 3], elastic[:, 4] = base, cursors[-1].pos
         run = PlannedRun(epoch=part.epoch, base=base, world=s.world_size, start=0, step=part.step, ids=part.ids,
                          stops=stops, samples_in_epoch=self.n, cursors=tuple(cursors), elastic=elastic)
         return run if not skip else run._part(skip, k)

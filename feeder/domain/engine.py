@@ -173,12 +173,15 @@ class Engine:
 
     def commit(self, job: str, replica: int, step: int, committed: bool, replicas: int, cursor: bytes) -> None:
         """An elastic job's step ended (committed or not): into the commit log and the ledger."""
-        if cursor:   # (verified here too: a record any feeder will trust later must be one of ours)
-            Cursor.decode(cursor, self.cfg.cursor_secret)
+        # (verified here too: a record any feeder will trust later must be one of ours)
+        after = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
+        if after is not None and after.job != job:
+            raise InvalidArgument(f"the cursor reported with step {step} of job {job!r} is job {after.job!r}'s")
         self.commits.record(job, step=step, committed=committed, replicas=replicas, replica=replica, cursor=cursor)
-        if self.ledger:
+        if self.ledger:   # (`at`: which dealing of the step committed: the cursor after it)
             self.ledger.write(json.dumps({"commit": job, "step": step, "committed": committed, "replicas": replicas,
-                                          "replica": replica}) + "\n")
+                                          "replica": replica, "at": [after.base, after.pos] if after else None})
+                              + "\n")
 
     async def _join_members(self, stream: RankStream, src: Source, cursor: bytes) -> None:
         """A member of a model-parallel rank takes its messages from the rank's window (built
@@ -221,7 +224,8 @@ class Engine:
                 rec = {"job": s.job, "epoch": int(block.epochs[j]), "world": s.world_size, "rank": s.rank,
                        "step": int(block.steps[j]), "ids": block.ids[a:b].tolist()}
                 if block.elastic is not None:   # a global step's part: audit holds it to the step's commit
-                    rec.update(elastic=s.global_batch, part=int(block.elastic[j, 1]), parts=int(block.elastic[j, 0]))
+                    e = block.elastic[j].tolist()
+                    rec.update(elastic=s.global_batch, part=e[1], parts=e[0], at=e[3:5])
                 if block.sources is not None:   # a mixture: audit counts positions, and sources by name
                     names = stream.state.mixture
                     rec.update(ids=block.positions[a:b].tolist(),

@@ -56,6 +56,7 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
     epochs: dict[tuple, EpochAudit] = {}
     meta: dict[str, dict] = {}
     pending = defaultdict(list)
+    commits, parts = defaultdict(list), defaultdict(list)
     for path in paths:
         try:
             f = open(path, "rb")
@@ -67,9 +68,15 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
                     rec = json.loads(line)   # bytes: a non-UTF-8 line is a ValueError like any other
                 except (ValueError, RecursionError):
                     raise InputError(f"{path}:{lineno}: not a ledger line") from None
-                if not isinstance(rec, dict) or not ("open" in rec or {"job", "epoch"} <= rec.keys()):
+                if not isinstance(rec, dict) or not ("open" in rec or "commit" in rec or {"job", "epoch"} <= rec.keys()):
                     raise InputError(f"{path}:{lineno}: not a ledger line")
-                if "open" in rec:
+                if "commit" in rec:   # an elastic job's step ended (committed or not)
+                    if not job or rec["commit"] == job:
+                        commits[rec["commit"]].append(rec)
+                elif "elastic" in rec:   # a global step's part: held to the step's commit
+                    if not job or rec["job"] == job:
+                        parts[rec["job"]].append(rec)
+                elif "open" in rec:
                     first = meta.setdefault(rec["open"], rec)
                     if first.get("mixture") != rec.get("mixture"):   # remixed: no one set of weights
                         first["mixture"] = {}
@@ -93,4 +100,74 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
                 ea.resent += 1
             else:
                 ea.conflicts.append({"batch": key, "first": seen, "then": r["ids"]})
-    return [e.verdict() for e in epochs.values()]
+    out = [e.verdict() for e in epochs.values()]
+    for j in sorted(set(parts) | set(commits)):
+        m = meta.get(j)
+        if m is None:
+            raise InputError(f"ledger has steps of job {j!r} but no stream-open record")
+        out += elastic_audit(j, m, parts.get(j, []), commits.get(j, []))
+    return out
+
+
+def elastic_audit(job: str, meta: dict, parts: list[dict], commits: list[dict]) -> list[dict]:
+    """An elastic job (feeder.core.steps): every committed step's parts, over the replicas live
+    at its committed attempt, each delivered; every sample of an epoch in exactly one committed
+    step (DistributedSampler's padding aside). A part sent again (failover, a step asked again
+    in the same world) counts once; one with other ids is a conflict."""
+    # A step's dealing is its world and, under shrink, where the committed steps before it left
+    # the order (`at`: the cursor after the step); a stream reading ahead deals the steps after
+    # its own as if each committed in its world: those parts are never trained if one did not.
+    got: dict[tuple, tuple] = {}       # (step, world, at, rank, part) -> (epoch, ids, parts)
+    conflicts: list = []
+    for r in parts:
+        key = (r["step"], r["world"], tuple(r["at"]), r["rank"], r["part"])
+        seen = got.setdefault(key, (r["epoch"], r["ids"], r["parts"]))
+        if seen[1] != r["ids"]:
+            conflicts.append({"part": key, "first": seen[1], "then": r["ids"]})
+    worlds: dict[int, tuple] = {}      # committed step -> its dealing (world, at)
+    for c in commits:
+        if c["committed"] and c.get("at") is not None:
+            dealing = (c["replicas"], tuple(c["at"]))
+            if worlds.setdefault(c["step"], dealing) != dealing:
+                conflicts.append({"step": c["step"], "committed_as": sorted({worlds[c["step"]], dealing})})
+    # A step commits only after every step before it did: one whose report never came (a
+    # replica killed before sending it) is committed too, in the one world it was dealt in.
+    dealt = defaultdict(set)
+    for (step, world, at, _, _) in got:
+        dealt[step].add((world, at))
+    unreported = [s for s in range(max(worlds, default=-1)) if s not in worlds]
+    for s in unreported:
+        if len(dealt[s]) == 1:
+            worlds[s] = next(iter(dealt[s]))
+    counts: dict[int, Counter] = defaultdict(Counter)
+    incomplete, steps_of = [], defaultdict(int)
+    for step, (world, at) in sorted(worlds.items()):
+        epoch = None
+        for rank in range(world):
+            first = got.get((step, world, at, rank, 0))
+            n_parts = max(1, first[2]) if first else 1
+            for k in range(n_parts):
+                p = got.get((step, world, at, rank, k))
+                if p is None:
+                    incomplete.append({"step": step, "world": world, "rank": rank, "part": k})
+                    continue
+                epoch = p[0]
+                counts[epoch].update(p[1])
+        if epoch is not None:
+            steps_of[epoch] += 1
+    n, out = meta["n"], []
+    widest = max([w for w, _ in worlds.values()] + [meta.get("world", 1)])
+    for epoch in sorted(counts):
+        c = counts[epoch]
+        repeats = {i: k for i, k in c.items() if k > 1}
+        extra = sum(k - 1 for k in repeats.values())
+        n_missing = n - sum(1 for i in c if 0 <= i < n)
+        allowed = widest - 1   # one dealing's padding (or, with drop_last, what it leaves out)
+        ok = not conflicts and not incomplete and (extra <= allowed if not meta["drop_last"] else not repeats) \
+            and n_missing <= (allowed if meta["drop_last"] else 0)
+        out.append({"job": job, "epoch": epoch, "samples": n, "elastic": True, "committed_steps": steps_of[epoch],
+                    "n_missing": n_missing, "missing": sorted(set(range(n)) - c.keys())[:50] if n <= 1 << 20 else [],
+                    "duplicates": sorted(repeats)[:50], "n_duplicate_deliveries": extra, "padding_allowed": allowed,
+                    "incomplete_steps": incomplete[:10], "unreported_commits": unreported[:10],
+                    "conflicts": conflicts[:10], "exactly_once": ok})
+    return out

@@ -46,7 +46,7 @@ class Block:
     sources: np.ndarray | None = None   # int64 [sum(counts)]: a mixture's source of each sample,
     positions: np.ndarray | None = None  # and the epoch position it fills (for the ledger)
     boundaries: Bounds | None = None     # where documents start in each sample (streams with boundaries)
-    elastic: np.ndarray | None = None    # int64 [k, 3]: an elastic stream's (parts, part, step samples) per batch
+    elastic: np.ndarray | None = None    # int64 [k, 5]: an elastic stream's (parts, part, step samples, base, end) per batch
 
     def __len__(self) -> int:
         return len(self.counts)

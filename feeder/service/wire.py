@@ -112,7 +112,7 @@ def _elastic(block: Block) -> bytes:
     """StreamReply.elastic (field 6), an elastic stream's: per batch (parts, part, step samples)."""
     if block.elastic is None:
         return b""
-    return _entries(6, np.ascontiguousarray(block.elastic, dtype="<i8").reshape(-1).view(np.uint8),
+    return _entries(6, np.ascontiguousarray(block.elastic[:, :3], dtype="<i8").reshape(-1).view(np.uint8),
                     np.full(len(block), 24, dtype=np.int64))
 
 

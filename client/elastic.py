@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 
 from feeder.core.config import StreamSpec
 from feeder.core.errors import Code, FeederError
@@ -91,6 +92,8 @@ class ElasticFeeder:
         self.finished = False              # every epoch asked for has been dealt
         self.reopens = 0                   # streams opened for a new world or a step out of order
         self._reports: queue.Queue = queue.Queue(maxsize=1024)
+        self._closing = threading.Event()   # set when close() gives up waiting for the reports
+        self._retry_for_s = float(self._client_kw.get("retry_for_s", 300.0))
         self._transport: Transport | None = None
         self._reporter = threading.Thread(target=self._report_loop, name="feeder-elastic-commits", daemon=True)
         self._reporter.start()
@@ -149,7 +152,8 @@ class ElasticFeeder:
             self._client.close()
             self._client = None
         self._reports.put(None)
-        self._reporter.join(timeout=5)
+        self._reporter.join(timeout=10)   # the reports still queued go out first
+        self._closing.set()
         if self._transport is not None:
             self._transport.close()
 
@@ -202,17 +206,29 @@ class ElasticFeeder:
             req = self._reports.get()
             if req is None:
                 return
-            client = self._client
-            target = client.target if client is not None else self.targets[0]
-            for t in (target, *[t for t in self.targets if t != target]):
-                try:
-                    if self._transport is None:
-                        self._transport = Transport(ClientConfig(targets=self.targets, spec=self._spec,
-                                                                 **self._client_kw))
-                    self._transport.stub(t).Report(req, timeout=10)
+            # Every target in turn, again and again with a growing pause, until one takes it or the
+            # client's retry_for_s runs out: a feeder restarting must not lose the job's commits
+            # (a shrink job's new replicas start from them; the audit counts them).
+            delay, deadline = 0.1, time.monotonic() + self._retry_for_s
+            while not self._send(req):
+                if time.monotonic() > deadline or self._closing.wait(delay):
+                    log.warning("the commit of step %d reached no feeder; a shrink job's new replicas then need "
+                                "their cursor from a peer", req.committed_step)
                     break
-                except Exception as e:   # (grpc.RpcError, or a channel that cannot open) the next target
-                    log.debug("commit report of step %d to %s: %s", req.committed_step, t, e)
+                delay = min(2.0, delay * 2)
+
+    def _send(self, req) -> bool:
+        client = self._client
+        target = client.target if client is not None else self.targets[0]
+        for t in (target, *[t for t in self.targets if t != target]):
+            try:
+                if self._transport is None:
+                    self._transport = Transport(ClientConfig(targets=self.targets, spec=self._spec, **self._client_kw))
+                self._transport.stub(t).Report(req, timeout=10)
+                return True
+            except Exception as e:   # (grpc.RpcError, or a channel that cannot open) the next target
+                log.debug("commit report of step %d to %s: %s", req.committed_step, t, e)
+        return False
 
 
 class TorchftFeeder:

@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     p.add_argument("--print", action="store_true", help="print the scenario(s) and run nothing")
     p.add_argument("--model-parallel", action="store_true",
                    help="only scenarios whose ranks have members (issue 33): --seeds N of them from --start on")
+    p.add_argument("--elastic", action="store_true",
+                   help="live-elasticity scenarios (issue 43; tests/chaos/elastic.py): replica churn, joins and "
+                        "leaves, steps that do not commit, feeder faults")
     p.add_argument("--seed-list", help=argparse.SUPPRESS)   # (a slice of a parallel run)
     p.add_argument("--jobs", type=int, default=1,
                    help="run the seeds in this many processes at once (a scenario spends most of its time "
@@ -55,12 +58,14 @@ def main(argv=None) -> int:
         return _parallel(args, seeds)
     t0 = time.monotonic()
     faults, failures, samples, passed = Counter(), [], 0, 0
+    if args.elastic:
+        from tests.chaos.elastic import ElasticScenario, run_elastic
     for k, seed in enumerate(seeds, 1):
-        sc = Scenario.from_seed(seed, kinds)
+        sc = ElasticScenario.from_seed(seed) if args.elastic else Scenario.from_seed(seed, kinds)
         if args.print:
             print(sc.describe())
             continue
-        res = run_scenario(sc, keep=args.keep)
+        res = run_elastic(sc, keep=args.keep) if args.elastic else run_scenario(sc, keep=args.keep)
         faults.update(res.faults)
         samples += res.samples
         if res.ok:
@@ -102,7 +107,7 @@ def _parallel(args, seeds: list[int]) -> int:
         if not chunk:
             continue
         out = tmp / f"part{j}.json"
-        cmd = [sys.executable, "-m", "tests.chaos", "--seed-list", ",".join(map(str, chunk)), "--json", str(out)] + (["--kinds", args.kinds] if args.kinds else []) + (["--keep"] if args.keep else [])
+        cmd = [sys.executable, "-m", "tests.chaos", "--seed-list", ",".join(map(str, chunk)), "--json", str(out)] + (["--kinds", args.kinds] if args.kinds else []) + (["--keep"] if args.keep else []) + (["--elastic"] if args.elastic else [])
         procs.append(subprocess.Popen(cmd))
         parts.append(out)
     for proc in procs:

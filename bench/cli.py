@@ -26,14 +26,16 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
     s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
-    s.add_argument("--only", choices=["formats", "mixture", "scale", "kafka", "packing", "members"], default="",
+    s.add_argument("--only", choices=["formats", "mixture", "scale", "kafka", "packing", "members", "elastic"],
+                   default="",
                    help="formats: only tokens/s from each other tool's format against our shards; mixture: "
                         "only a mixture of 3 sources against one source; scale: first batch and feeder memory "
                         "from 10^6 to 10^10 samples per order, and mixtures of 10^9 and 10^10 positions; kafka: "
                         "only the Kafka figures; packing: tokens/s with boundaries and with best-fit bins against "
                         "plain windows, the boundaries' bytes on the wire, and the packer's time; members: feeder "
                         "CPU per token for 8 members of one rank against 8 ranks, and the bytes each "
-                        "context-parallel member gets (docs/model-parallel.md)")
+                        "context-parallel member gets (docs/model-parallel.md); elastic: a surviving replica's data wait "
+                        "around a change of world, against the step time (docs/elastic.md)")
 
 
 HELP = "measure the feeder against a raw socket, bare gRPC and a local DataLoader"

@@ -45,6 +45,10 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
                 from .packing import packing_figures
 
                 res.update(packing_figures(cfg, data, clients))
+            elif cfg.only == "elastic":
+                from .elastic import elastic_figures
+
+                res.update(elastic_figures(cfg, data))
             elif cfg.only == "members":
                 from .members import members_figures
 

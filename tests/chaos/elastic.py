@@ -205,8 +205,10 @@ class ElasticRun:
                 elif h.kind == "leave" and len(self.replicas) > 1:
                     self.replicas.pop(self.rng.randrange(len(self.replicas))).close()
                     self.injected["leave"] += 1
-                elif h.kind == "churn" and victim is None and self.replicas:
-                    victim = (self.rng.randrange(len(self.replicas)), h)
+                elif h.kind == "churn" and victim is None:
+                    victim = h
+            if victim is not None:   # (chosen once the joins and leaves of this attempt are done)
+                victim = (self.rng.randrange(len(self.replicas)), victim) if self.replicas else None
             world = len(self.replicas)
             if world == 0:   # the only replica died: nobody trains until its replacement is back
                 continue

@@ -164,6 +164,11 @@ class KafkaSource:
         self._register.release(job, token)
 
     def refuse_documents(self, spec: StreamSpec) -> None:
+        if spec.elastic:   # (what a followed topic cannot be asked, whatever the stream: live elasticity too)
+            raise FailedPrecondition(
+                f"source {self.name!r} (Kafka topic {self.url.topic}, mode=follow) cannot deal global steps "
+                f"(global_batch={spec.global_batch}): a followed topic has no epoch order to deal them from; serve "
+                "it with mode=bounded, or stream it without live elasticity")
         if spec.boundaries or spec.packing != "concat":
             # A followed topic has no end: there is no corpus to pack, and its samples are cut
             # from records as they arrive (docs/packing.md).

@@ -70,6 +70,13 @@ def cmd_bench(args) -> int:
 
         print(scale_table(r))
         return 0
+    if args.only == "elastic":
+        for policy, e in r["elastic"]["runs"].items():
+            print(f"{policy}: a survivor's data wait {e['steady_wait_s_median'] * 1e3:.1f} ms a step (median), "
+                  + ", ".join(f"{w['wait_s'] * 1e3:.0f} ms at step {w['step']} (world {w['world']})"
+                              for w in e["after_change"])
+                  + f" after a change of world; step {e['step_s'] * 1e3:.0f} ms")
+        return 0
     print(table(r))
     if args.json:
         print(f"wrote {args.json}")

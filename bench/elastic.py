@@ -4,7 +4,7 @@ Four replicas (threads of this process, each an ElasticFeeder as a trainer proce
 train in lockstep: each step, every replica takes its part, then "computes" for `step_ms`, then
 waits at a barrier (the all-reduce). At step 20 a replica dies inside the step (its attempt does
 not commit, and the step is dealt again over three); at step 40 a new replica joins with no
-state. The figure is each survivor's data wait per step: in the steady state, and in the
+state. The figure is the survivors' (not the newcomer's) longest data wait per step: in the steady state, and in the
 attempts right after each change, against the step time. The target is a wait of at most one
 step time around a change (a survivor never restarts).
 """
@@ -39,8 +39,10 @@ def _run(address: str, cfg: BenchConfig, policy: str) -> dict:
             dying = None
             if step == 20 and len(live) == W0 and not any(w["change"] == "death" for w in waits):
                 dying, change = live[-1], "death"
+            joined = None
             if step == 40 and len(live) == W0 - 1:
-                live.append(make())
+                joined = make()
+                live.append(joined)
                 change = "join"
             world = len(live)
             got: dict[int, float] = {}
@@ -58,7 +60,7 @@ def _run(address: str, cfg: BenchConfig, policy: str) -> dict:
                 t.start()
             for t in threads:
                 t.join()
-            survivors = [got[r] for r, f in enumerate(live) if f is not dying]
+            survivors = [got[r] for r, f in enumerate(live) if f is not dying and f is not joined]
             waits.append({"attempt": attempt, "step": step, "world": world, "change": change,
                           "wait_s": max(survivors), "committed": dying is None})
             if dying is not None:   # dead before the all-reduce: the attempt fails for everyone
@@ -91,8 +93,9 @@ def _summary(waits: list[dict], policy: str) -> dict:
            "steady_wait_s_max": max(steady),
            "after_change": [{"step": w["step"], "world": w["world"], "wait_s": round(w["wait_s"], 4)} for w in after],
            "worst_after_change_in_steps": max(w["wait_s"] for w in after) / (STEP_MS / 1000)}
+    changes = ", ".join(f"{w['wait_s'] * 1e3:.0f} ms" for w in out["after_change"])
     say(f"elastic ({policy}): steady wait {out['steady_wait_s_median'] * 1e3:.1f} ms (median), after a change of world "
-        f"{', '.join(f'{w['wait_s'] * 1e3:.0f} ms' for w in out['after_change'])} (step {STEP_MS} ms)")
+        f"{changes} (step {STEP_MS} ms)")
     return out
 
 

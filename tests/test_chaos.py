@@ -231,3 +231,27 @@ def test_regression_soak_seed_330157_a_superseded_ranks_member_errors_are_writte
     assert json.loads(json.dumps(verdict)) == {"members": "ok", "compared": 2, "bad": [],
                                                "errors": {"m1": "FAILED_PRECONDITION: replaced",
                                                           "cp0": "UNAVAILABLE: gone"}}
+
+
+# Live elasticity (issue 43): seeds of tests/chaos/elastic.py that together inject every kind
+# (replica churn inside a step, joins, leaves, aborted steps, feeder SIGKILL, SIGTERM, SIGSTOP),
+# both policies, one and two feeders; `python -m tests.chaos --elastic --seeds N` runs many.
+ELASTIC_COVERAGE = [101, 114, 118, 122]
+
+
+def test_elastic_coverage_seeds_cover_every_kind_and_policy():
+    from tests.chaos.elastic import ELASTIC_KINDS, ElasticScenario
+
+    scs = [ElasticScenario.from_seed(s) for s in ELASTIC_COVERAGE]
+    assert {h.kind for sc in scs for h in sc.hits} == set(ELASTIC_KINDS)
+    assert {sc.policy for sc in scs} == {"constant", "shrink"} and {sc.targets for sc in scs} == {1, 2}
+
+
+@pytest.mark.parametrize("seed", ELASTIC_COVERAGE)
+def test_elastic_scenario(seed):
+    from tests.chaos.elastic import ElasticScenario, run_elastic
+
+    res = run_elastic(ElasticScenario.from_seed(seed))
+    assert res.ok, (f"seed {seed} failed (replay: python -m tests.chaos --elastic --seed {seed}; work dir "
+                    f"{res.workdir}): {res.scenario.describe()}\n" + "\n".join(res.errors[:5]))
+    assert res.samples > 0 and res.faults["churn"] >= 1

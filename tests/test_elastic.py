@@ -297,3 +297,27 @@ def test_spec_round_trips_the_elastic_fields():
     assert (r.global_batch, r.accumulation, r.first_step, r.start_replicas) == ("shrink", 4, 17, 0)
     c = dataclasses.replace(s, global_batch="constant", start_replicas=0)
     assert c.start_replicas == 3
+
+
+def test_members_and_context_parallel_slices_of_a_replica(two_feeders, stream):
+    """Members of a replica get its part bit for bit; a context-parallel member its positions."""
+    t = [f"127.0.0.1:{two_feeders[0].port}"]
+    from feeder_client.elastic import ElasticFeeder
+
+    def member(m, **kw):
+        return ElasticFeeder(t, job="elastic-members", seq_len=L, micro_batch=2, accumulation=2, replicas=3,
+                             members=2, member=m, connect_timeout_s=10, retry_for_s=20, **kw)
+
+    a, b = member(0), member(1)
+    for step, (r, w) in enumerate([(0, 3), (1, 3), (1, 2), (0, 1)]):
+        pa, pb = a.step(step, r, w), b.step(step, r, w)
+        assert [x.sample_ids.tolist() for x in pa] == [x.sample_ids.tolist() for x in pb]
+        assert all((x.tokens == y.tokens).all() for x, y in zip(pa, pb)) and pa
+    for f in (a, b):
+        f.close()
+    c = ElasticFeeder(t, job="elastic-cp", seq_len=L, micro_batch=2, accumulation=2, replicas=3, cp_size=2,
+                      cp_rank=1, cp_layout="contiguous", connect_timeout_s=10, retry_for_s=20)
+    for x in c.step(0, 2, 3):
+        for row, sid in zip(x.tokens.numpy(), x.sample_ids.tolist()):
+            assert row.tolist() == stream[sid * L + L // 2:sid * L + L + 1].tolist()
+    c.close()

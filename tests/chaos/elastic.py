@@ -101,7 +101,8 @@ class ElasticScenario:
         # Replica churn in every scenario; feeder faults and the rest drawn beside it.
         kinds = ["churn"] + [rng.choice(ELASTIC_KINDS) for _ in range(rng.choice((1, 2, 3)))]
         for kind in kinds:
-            at = rng.randint(0, max(0, horizon - 2))
+            # (the horizon is an estimate: churn comes in its first half, so every scenario has it)
+            at = rng.randint(0, max(0, (horizon // 2 if kind == "churn" else horizon) - 2))
             if kind in FEEDER_KINDS:
                 hits.append(Hit(kind, at, heal_ms=rng.choice((200, 600, 1500)), target=rng.randrange(s["targets"])))
             elif kind == "churn":

@@ -198,6 +198,12 @@ def test_elastic_feeder_over_grpc(two_feeders, stream, policy):
     assert sum(trained.values()) - n < 4   # only DistributedSampler's padding repeats
     for f in feeders:
         f.close()   # (after the commit reports went out)
+    # `feeder status` says where the job stands: its last committed step and world, the aborts
+    from feeder.ops.status import fetch
+
+    said = [j.elastic for t in targets for j in fetch(t).jobs if j.job == f"grpc-{policy}"]
+    assert any(f"step {step - 1} committed in a world of" in e for e in said), said
+    assert any("steps had an attempt that did not commit" in e and not e.startswith("no") for e in said), said
     # `feeder audit` proves the same from the feeders' ledgers: every committed step's parts sent,
     # every sample in exactly one committed step; and notices a part that never was.
     from feeder.ops.audit import audit

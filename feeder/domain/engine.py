@@ -63,6 +63,7 @@ class Engine:
         self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
         # Elastic jobs' committed steps (feeder.core.steps), shared through the cache directory.
         self.commits = CommitLog(cfg.cache)
+        self.elastic_steps: dict[str, tuple[int, int, set]] = {}   # job -> last committed step, its world, steps aborted
 
     def source(self, name: str) -> Source:
         src = self.sources.get(name or self.default)
@@ -95,6 +96,7 @@ class Engine:
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
+                                 elastic=self._elastic_status(j.job),
                                  ranks=tuple(_rank_status(r, region)
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
                        for j in jobs))
@@ -171,6 +173,14 @@ class Engine:
             waited += 0.1
         return got
 
+    def _elastic_status(self, job: str) -> str:
+        seen = self.elastic_steps.get(job)
+        if seen is None:
+            return ""
+        step, world, aborted = seen
+        last = f"step {step} committed in a world of {world}" if step >= 0 else "no step committed yet"
+        return f"{last}; {len(aborted)} steps had an attempt that did not commit"
+
     def commit(self, job: str, replica: int, step: int, committed: bool, replicas: int, cursor: bytes) -> None:
         """An elastic job's step ended (committed or not): into the commit log and the ledger."""
         # (verified here too: a record any feeder will trust later must be one of ours)
@@ -178,6 +188,13 @@ class Engine:
         if after is not None and after.job != job:
             raise InvalidArgument(f"the cursor reported with step {step} of job {job!r} is job {after.job!r}'s")
         self.commits.record(job, step=step, committed=committed, replicas=replicas, replica=replica, cursor=cursor)
+        last, world, aborted = self.elastic_steps.get(job, (-1, 0, set()))
+        if committed and step > last:
+            last, world = step, replicas
+        elif not committed:
+            aborted.add(step)   # (each replica reports it: an attempt counted once per step)
+        self.elastic_steps[job] = (last, world, aborted)
+        self.on_change()
         if self.ledger:   # (`at`: which dealing of the step committed: the cursor after it)
             self.ledger.write(json.dumps({"commit": job, "step": step, "committed": committed, "replicas": replicas,
                                           "replica": replica, "at": [after.base, after.pos] if after else None})

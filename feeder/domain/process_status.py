@@ -54,6 +54,7 @@ class JobStatus:
     dataset: str
     world_size: int
     ranks: tuple[RankStatus, ...]
+    elastic: str = ""   # an elastic job's last committed step, its world, the attempts that did not commit
 
 
 @dataclass(frozen=True, slots=True)

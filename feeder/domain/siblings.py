@@ -85,7 +85,9 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
                 ranks.setdefault(j.job, {}).setdefault(rank.rank, []).append(rank)
     for name in sorted(jobs):
         j = jobs[name]
-        js = out.jobs.add(job=name, dataset=j.dataset, world_size=j.world_size)
+        js = out.jobs.add(job=name, dataset=j.dataset, world_size=j.world_size,
+                          elastic=max((o.elastic for r in (own, *others) for o in r.jobs if o.job == name), key=len,
+                                      default=""))
         for number in sorted(ranks.get(name, {})):
             seen = ranks[name][number]
             merged = js.ranks.add()

@@ -56,6 +56,9 @@ def render(reply, target: str):
                       r.last_error[:60])
             if r.members:   # a model-parallel rank: its members, and which lag
                 t.add_row("", "", "", "", _members(r), *[""] * 11)
+    elastic = [f"elastic {j.job}: {j.elastic}" for j in reply.jobs if j.elastic]
+    if elastic:
+        t.caption = "\n".join(elastic + ([t.caption] if t.caption else []))
     if not reply.jobs:
         t.caption = "no jobs yet"
     if reply.packings:    # best-fit packings served: documents cut, padding, how long they took

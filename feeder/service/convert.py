@@ -150,7 +150,7 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
                            packings=status.packings, cache_damaged=status.cache_damaged)
     for j in status.jobs:
-        js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size)
+        js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size, elastic=j.elastic)
         for r in j.ranks:
             rs = js.ranks.add(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "members"})
             for m in r.members:

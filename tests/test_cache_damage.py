@@ -366,3 +366,62 @@ def test_failover_mid_epoch_to_a_feeder_whose_packing_is_damaged_is_exact(tmp_pa
         for p in (a, b):
             if p is not None:
                 p.stop()
+
+
+def test_another_jobs_order_copied_over_this_ones_is_refused_counted_and_rebuilt(tmp_path):
+    """The outside review's (issue 44.1): two jobs of one dataset (same n) with seeds 10 and 20
+    share a cache; seed 20's order file is copied over seed 10's name. It is a sound permutation
+    with sound checks, and was served to the seed-10 job as verified (358,400 of 358,400 ids of
+    a rank were seed 20's). Its trailer now names its seed: a real feeder refuses it as damage,
+    counts it, builds seed 10's order again, and the rank gets DistributedSampler's ids."""
+    import shutil
+
+    n = sampler.SMALL_ORDER + 777
+    data = flat_corpus(tmp_path, n)
+    cache_dir = tmp_path / "cache"
+    st10, path10 = built_order(cache_dir, n, 10)
+    _, path20 = built_order(cache_dir, n, 20)
+    shutil.copyfile(path20, path10)   # the bad sync: the same size, another order
+    a = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_dir), "--metrics-port", "0"])
+    try:
+        ds = FeederDataset([a.address], job="seed10", rank=0, world_size=4, seq_len=1, micro_batch=64, seed=10,
+                           retry_for_s=60, read_ahead=2, max_read_ahead=2)
+        got = []
+        for batch in ds:
+            got += batch.sample_ids.tolist()
+            if len(got) >= 64 * 40:
+                break
+        ds.client.close()
+        wait_for_build(cache_dir / "orders")
+        assert got == torch_rank_ids(n, 4, 0, 10)[:len(got)]
+        assert metric(a, "feeder_cache_damaged_total{kind=\"order\"}") == 1.0
+    finally:
+        a.stop()
+    fresh = store.OrderStore(str(cache_dir))   # the rebuilt file is seed 10's, and says so
+    assert np.array_equal(wait_for(fresh, n, 10),
+                          torch.randperm(n, generator=torch.Generator().manual_seed(10)).numpy())
+
+
+@pytest.mark.parametrize("other", ["seed", "size"])
+def test_an_order_file_of_another_identity_is_not_served(tmp_path, other):
+    """Whatever differs (the seed, or n with the file cut to this n's size), the store refuses it."""
+    n = 200_003
+    _, path = built_order(tmp_path, n, 7)
+    if other == "seed":
+        _, src = built_order(tmp_path / "o", n, 8)
+    else:   # an order of another n, made to this one's size: its trailer still says its own n
+        m = n + 5
+        _, src = built_order(tmp_path / "o", m, 7)
+        with open(src, "rb") as f:
+            body = f.read()
+        cut = body[:4 * n] + body[4 * m:]
+        src = str(tmp_path / "cut")
+        with open(src, "wb") as f:
+            f.write(cut)
+    os.replace(src, path)
+    before = cache.damaged_counts()["order"]
+    st = store.OrderStore(str(tmp_path))
+    with pytest.raises(sampler.OrderPending):
+        st.get(n, 7, "torch")
+    assert cache.damaged_counts()["order"] == before + 1
+    assert np.array_equal(wait_for(st, n, 7), torch.randperm(n, generator=torch.Generator().manual_seed(7)).numpy())

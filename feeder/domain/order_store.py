@@ -25,7 +25,8 @@ minutes for the whole), while the whole is built; past them it waits for the who
 
 Nothing in the file is trusted (issue 34: a file of zeros left by a host crash, or 32 entries
 overwritten, was served as ids). The ids are followed by a trailer written at build
-(`TRAILER`: the order's checks, feeder.order.order_checks), and the file is fsynced before it
+(`TRAILER`: the order's identity, n, seed and loop, checked against the order asked for, and its
+checks, feeder.order.order_checks), and the file is fsynced before it
 is renamed into place and the directory after. A process verifies a file whole before it maps
 it for streams, in one pass over blocks on up to 8 threads (torch's 10^9 order, 4 GB: 0.85 s on one
 core of a Xeon server, 0.12 s on 8; see docs/guarantees.md): its size (truncated, or written
@@ -130,7 +131,7 @@ class OrderStore:
         with self._opening:
             with self._lock:
                 hit = self._mapped.get(name)
-            got = hit if hit is not None else self._open(name, n)
+            got = hit if hit is not None else self._open(name, n, seed, kind)
         if got is not None:
             return got
         b = self._start(name, n, seed, kind)
@@ -184,7 +185,7 @@ class OrderStore:
         # torch seeds MT19937 with the seed's low 32 bits: seeds equal mod 2^32 share an order
         return f"randperm-{loop}-n{n}-s{seed & 0xFFFFFFFF}.u{8 * order.order_dtype(n).itemsize}"
 
-    def _open(self, name: str, n: int) -> np.ndarray | None:
+    def _open(self, name: str, n: int, seed: int, kind: str) -> np.ndarray | None:
         """The order file `name`, verified whole (see the module doc) and mapped; None when it is
         not there, or was not sound (then it is removed, and the caller builds it again). The
         mapping served is the one verified (of the file opened, not of whatever the name points
@@ -198,7 +199,7 @@ class OrderStore:
         try:
             st = os.fstat(fd)
             t0 = time.perf_counter()
-            why, mm = order_file.verified(fd, st.st_size, n, dtype)
+            why, mm = order_file.verified(fd, st.st_size, n, dtype, seed, kind)
             took = time.perf_counter() - t0
         finally:
             os.close(fd)   # (a mapping outlives its descriptor)
@@ -381,7 +382,7 @@ class OrderStore:
         with mmap.mmap(f.fileno(), size) as mm:
             out = np.frombuffer(mm, dtype=dtype)
             stopped = order.torch_randperm(b.n, seed, kind, out=out, progress=b.progress)[1]
-            trailer = None if stopped else order_file.trailer(b.n, out)
+            trailer = None if stopped else order_file.trailer(b.n, out, seed, kind)
             del out   # (the mapping closes only once no array views it)
         if not stopped:
             os.pwrite(f.fileno(), trailer, size)
@@ -411,7 +412,7 @@ class OrderStore:
                 pass
             out = np.frombuffer(mm, dtype=dtype)
             stopped = order.torch_randperm(b.n, seed, kind, out=out, progress=b.progress)[1]
-            trailer = None if stopped else order_file.trailer(b.n, out)
+            trailer = None if stopped else order_file.trailer(b.n, out, seed, kind)
             del out
             if stopped:
                 return True

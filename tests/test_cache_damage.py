@@ -234,6 +234,50 @@ def test_a_kafka_snapshot_with_a_flipped_byte_is_read_again_from_the_topic(kafka
     assert [p.name for p in (region / "kafka").iterdir() if p.is_dir()] == [snap.name]
 
 
+@pytest.mark.kafka
+def test_a_kafka_snapshot_of_another_identity_under_this_ones_name_is_read_again(kafka_broker, tmp_path, caplog):
+    """The same topic and ranges read under another eos_id (or vocabulary, record limit, a
+    recreated topic): another snapshot, whose manifest and chunks are sound. Copied under this
+    epoch's name, it is found at open (its kafka.json names its whole identity), counted,
+    removed and read again from the topic; the ranks get the epoch's ids and tokens."""
+    import shutil
+
+    from feeder.core.config import ServeConfig
+    from feeder.core.sampler import n_samples
+    from feeder.service.server import ServerThread
+    from tests.helpers import check_batches, reference_ids
+    from tests.test_kafka_regressions import EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+    from tests.test_kafka_snapshots import builds, rank_batches
+
+    caplog.set_level(logging.INFO)
+    topic = f"snap-identity-{os.getpid()}-{time.time_ns() % 10**6}"
+    Trickle(kafka_broker, topic, partitions=3, n0=600, trickle=False).stop()
+    region = tmp_path / "region-cache"
+    url = f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256"
+    other = dict(source=f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=0", listen="127.0.0.1:0",
+                 cache_dir=str(region))
+    with ServerThread(ServeConfig(**other)) as a:   # the epoch read with another eos_id
+        rank_batches(a.address, "other", 0)
+    (theirs,) = [p for p in (region / "kafka").iterdir() if p.is_dir()]
+    cfg = dict(source=url, listen="127.0.0.1:0", cache_dir=str(region))
+    with ServerThread(ServeConfig(**cfg)) as a:
+        first = rank_batches(a.address, "first", 0)
+    ranges = epoch_of(first[0])
+    (ours,) = [p for p in (region / "kafka").iterdir() if p.is_dir() and p != theirs]
+    shutil.rmtree(ours)
+    shutil.copytree(theirs, ours)   # the bad sync: the other eos_id's snapshot under this one's name
+    before = cache.damaged_counts()["snapshot"]
+    with ServerThread(ServeConfig(**cfg)) as b:
+        got = {r: rank_batches(b.address, "again", r, ranges) for r in (0, 1)}
+    assert cache.damaged_counts()["snapshot"] == before + 1
+    assert len(builds(caplog)) == 3, builds(caplog)   # theirs, ours, and ours again
+    stream = epoch_stream(kafka_broker, ranges)
+    n = n_samples(len(stream), EPOCH_SEQ)
+    for r in (0, 1):
+        check_batches(got[r], stream, EPOCH_SEQ,
+                      reference_ids(n, 2, r, shuffle=True, seed=EPOCH_SEED, drop_last=False, epoch=0))
+
+
 def test_a_builder_sigkilled_mid_build_leaves_no_part_and_no_stale_lock_after_a_restart(tmp_path):
     """A feeder SIGKILLed while it draws an order left its `.part` (0.86 GB in the review) until a
     feeder next started on that host, and its lock and progress files for good. The next store

@@ -69,14 +69,14 @@ class Snapshots:
                 return snap
             for last in (False, True):   # (one found damaged at open is read again, once)
                 try:
-                    self._build_or_wait(out, ranges, policy)
+                    self._build_or_wait(out, ranges, policy, self.identity(ranges, policy, topic_id))
                 finally:
                     self.progress.pop(ranges, None)
                     preparing.finished(ranges)
                 seen = cache.identity(out)   # (before it is read: only this one is removed if it fails)
                 try:
                     snap = SnapshotSource(out, name=self.url.topic, ranges=ranges, on_damage=self._damaged)
-                    snap.bad_records = _bad_records(out, ranges, policy)
+                    snap.bad_records = _bad_records(out, ranges, policy, self.identity(ranges, policy, topic_id))
                     break
                 except (DataLoss, NotFound, OSError, ValueError, KeyError, TypeError) as e:
                     # (NotFound: another process removed a damaged copy between its build and here)
@@ -97,21 +97,28 @@ class Snapshots:
                 del self._snapshots[snap.root.name]
         cache.remove_damaged(snap.root, snap.identity, "snapshot", f"of Kafka epoch {snap.ranges} ({snap.root})", why)
 
+    def identity(self, ranges: str, policy: str, topic_id: str = "") -> str:
+        """Everything a snapshot is the snapshot of: the cluster, the topic (and its Kafka id: a
+        recreated topic's same ranges are not its), the epoch's ranges, the bad-record policy, the
+        vocabulary and the record limit. Its directory is named by its hash, and its kafka.json
+        records it whole, checked at open: another topic's snapshot of the same ranges copied
+        under this name is damage, not this epoch (outside review 5)."""
+        return (f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
+                f"{self.url.max_record_bytes}{'|' + topic_id if topic_id else ''}")
+
     def dir_for(self, ranges: str, policy: str, topic_id: str = "") -> Path:
         """Where the snapshot of epoch `ranges` read under `policy` is kept in the spool."""
-        key = hashlib.sha256(f"{self.url.bootstrap}|{ranges}|{policy}|{self.vocab_size}|{self.eos_id}|"
-                             f"{self.url.max_record_bytes}{'|' + topic_id if topic_id else ''}".encode()
-                             ).hexdigest()[:20]
+        key = hashlib.sha256(self.identity(ranges, policy, topic_id).encode()).hexdigest()[:20]
         return self.spool / f"{self.url.topic}-{key}"
 
-    def _build_or_wait(self, out: Path, ranges: str, policy: str) -> None:
+    def _build_or_wait(self, out: Path, ranges: str, policy: str, identity: str) -> None:
         """Build `out` here, or wait for the process already building it (once.py)."""
         done = (out / mf.NAME).is_file
         said = [0.0]
 
         def build() -> None:
             b = SnapshotBuild(self.url, ranges, policy, dtype=self.dtype, vocab_size=self.vocab_size,
-                              eos_id=self.eos_id)
+                              eos_id=self.eos_id, identity=identity)
             beat = Beat(lock_path(out), lambda: self._note(ranges, b.progress(), said, "building"))
             try:
                 b.run(out)
@@ -143,8 +150,9 @@ class SnapshotBuild:
     read would write them (same files, same fingerprint); written aside, then renamed into
     place, so a reader never sees half of one."""
 
-    def __init__(self, url: KafkaURL, ranges: str, policy: str, *, dtype: np.dtype, vocab_size: int, eos_id: int):
-        self.url, self.ranges, self.policy = url, ranges, policy
+    def __init__(self, url: KafkaURL, ranges: str, policy: str, *, dtype: np.dtype, vocab_size: int, eos_id: int,
+                 identity: str = ""):
+        self.url, self.ranges, self.policy, self.identity = url, ranges, policy, identity
         self.dtype, self.vocab_size, self.eos_id = dtype, vocab_size, eos_id
         self.parts: list[PartitionRead] = []
         self.records = 0                  # records in the epoch's ranges
@@ -230,7 +238,8 @@ class SnapshotBuild:
         mf.write(tmp, mf.Manifest(tokenizer={"kind": "kafka", "topic": self.url.topic, "ranges": ranges},
                                   vocab_size=self.vocab_size, eos_id=self.eos_id, dtype=self.dtype.name,
                                   shards=tuple(shards)))
-        (tmp / "kafka.json").write_text(json.dumps({"ranges": ranges, "policy": self.policy,
+        (tmp / "kafka.json").write_text(json.dumps({"ranges": ranges, "policy": self.policy, "topic": self.url.topic,
+                                                    "identity": self.identity,
                                                     "bad_records": len(bad), "bad": bad[:1000]}))
         shutil.rmtree(out, ignore_errors=True)
         cache.publish(tmp, out)
@@ -240,14 +249,15 @@ class SnapshotBuild:
                  self.tokens * self.dtype.itemsize / max(took, 1e-9) / 1e6, min(READERS, len(self.parts)), out)
 
 
-def _bad_records(out: Path, ranges: str, policy: str) -> int:
+def _bad_records(out: Path, ranges: str, policy: str, identity: str) -> int:
     """How many bad records the snapshot's build skipped, from its kafka.json, which must say the
-    epoch, the policy and a count that agrees with the records it lists (ValueError otherwise:
-    kafka.json is not under the manifest's fingerprint, so it is checked here)."""
+    snapshot's whole identity (Snapshots.identity: the topic, the epoch, the policy, ...) and
+    a count that agrees with the records it lists (ValueError otherwise: kafka.json is not under
+    the manifest's fingerprint, so it is checked here)."""
     meta = json.loads((out / "kafka.json").read_text())
     n, bad = meta["bad_records"], meta["bad"]
-    if meta["ranges"] != ranges or meta["policy"] != policy or not isinstance(n, int) \
-            or len(bad) != min(n, 1000):
+    if meta["ranges"] != ranges or meta["policy"] != policy or meta.get("identity") != identity \
+            or not isinstance(n, int) or len(bad) != min(n, 1000):
         raise ValueError(f"{out / 'kafka.json'} does not describe this epoch's build")
     return n
 

@@ -486,6 +486,14 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
     def bad_stats():
         (where / "stats.json").write_text("{")
 
+    def other_dataset():   # (issue 44.1) the same documents from another format: another source's sidecar
+        other = feeder.engine.sources["megatron"]
+        pk.packed(other, BIN, NO_CONTEXT)
+        import shutil
+
+        shutil.rmtree(where)
+        shutil.copytree(pk.directory() / pk.identity(other.fingerprint, BIN, BLOCK), where)
+
     def flipped_byte():   # (issue 34)
         from tests.test_cache_damage import flip_a_byte
 
@@ -493,7 +501,7 @@ def test_review_a_damaged_or_misplaced_sidecar_is_built_again(formats, feeder):
 
     from feeder.sources import cache
 
-    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats, flipped_byte), 1):
+    for k, damage in enumerate((zero_starts, other_seq_len, truncate_ptr, bad_stats, flipped_byte, other_dataset), 1):
         damage()
         before = cache.damaged_counts()["packing"]
         assert served(f"bf-side-{k}") == want, damage.__name__

@@ -185,9 +185,10 @@ def refused(r: subprocess.CompletedProcess, *words: str) -> str:
 class FeederProc:
     """A `feeder serve` subprocess on a fixed port, so a restart keeps its address."""
 
-    def __init__(self, dataset, port=None, extra=(), source=None, host="127.0.0.1"):
+    def __init__(self, dataset, port=None, extra=(), source=None, host="127.0.0.1", prefix=()):
         self.source = str(source or dataset)
         self.port, self.extra = port or free_port(), list(extra)
+        self.prefix = list(prefix)   # e.g. setpriv: the feeder as another user
         self.address = f"{host}:{self.port}"
         self.proc = None
         self.metrics = ""
@@ -195,7 +196,7 @@ class FeederProc:
 
     def start(self):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "feeder.cli", "serve", "--source", self.source, "--listen", self.address,
+            [*self.prefix, sys.executable, "-m", "feeder.cli", "serve", "--source", self.source, "--listen", self.address,
              "--grace", "1", "--message-bytes", "8192", "--prefetch-messages", "2", *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()

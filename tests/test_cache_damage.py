@@ -469,3 +469,78 @@ def test_an_order_file_of_another_identity_is_not_served(tmp_path, other):
         st.get(n, 7, "torch")
     assert cache.damaged_counts()["order"] == before + 1
     assert np.array_equal(wait_for(st, n, 7), torch.randperm(n, generator=torch.Generator().manual_seed(7)).numpy())
+
+
+# -- a cache directory the feeder cannot use (issue 44.2) --------------------------------------
+
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _open_dir(path):
+    """A directory another user can enter (pytest's own are root's alone)."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o755)
+    return path
+
+
+@pytest.mark.parametrize("how", ["unreadable", "read-only", "full"])
+def test_a_cache_the_feeder_cannot_use_still_serves_the_rank_at_once(how):
+    """An order file this user cannot read (chmod 000; the feeder not root), a cache directory it
+    cannot write, a full one (a real tmpfs of 1 MiB): the rank waited in silence (or got
+    INTERNAL: PermissionError) while the feeder logged "build failed" every 5 s. The data is
+    sound: the order is drawn in the feeder's memory and served, the rank's ids are torch's, and
+    `feeder status` (and the metric) says what the cache cannot do and what to fix."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from feeder.ops.status import fetch
+
+    n = sampler.SMALL_ORDER + 4_321
+    root = _open_dir(Path(tempfile.mkdtemp(prefix="cache-unusable-")))
+    data = flat_corpus(root, n)
+    os.chmod(data, 0o644)
+    cache_dir = _open_dir(root / "cache")
+    mounted = False
+    prefix = AS_NOBODY
+    if how == "unreadable":   # built by root, then not this user's to read (nor its directory to write)
+        _, path = built_order(cache_dir, n, 3)
+        os.chmod(path, 0)
+        os.chmod(cache_dir / "orders", 0o755)
+    elif how == "read-only":
+        _open_dir(cache_dir / "orders")
+        os.chmod(cache_dir / "orders", 0o555)
+    else:                     # full: room for nothing the size of an order
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(cache_dir)], check=True)
+        mounted, prefix = True, []
+    a = None
+    try:
+        a = FeederProc(data, extra=[*VOCAB, "--cache-dir", str(cache_dir), "--metrics-port", "0"], prefix=prefix)
+        t0 = time.monotonic()
+        ds = FeederDataset([a.address], job=f"unusable-{how}", rank=1, world_size=2, seq_len=1, micro_batch=64,
+                           seed=3, retry_for_s=30, read_ahead=2, max_read_ahead=2)
+        got = []
+        for batch in ds:
+            got += batch.sample_ids.tolist()
+            if len(got) >= 64 * 20:
+                break
+        first_s = time.monotonic() - t0
+        ds.client.close()
+        assert got == torch_rank_ids(n, 2, 1, 3)[:len(got)]
+        assert first_s < 30, first_s
+        said = fetch(a.address).cache_problems
+        assert said and "drawn in each feeder process's memory" in said[0] and "--cache-dir" in said[0], said
+        assert metric(a, "feeder_cache_unusable") == 1.0
+    finally:
+        if a is not None:
+            a.stop()
+        if mounted:
+            subprocess.run(["umount", str(cache_dir)], check=False)
+        import shutil
+
+        for p in root.rglob("*"):
+            try:
+                os.chmod(p, 0o700)
+            except OSError:
+                pass
+        shutil.rmtree(root, ignore_errors=True)

@@ -93,6 +93,7 @@ class Engine:
             building=tuple(b.describe() for b in self.orders.builds()),
             packings=tuple(packed.describe(p) for p in packed.built()),
             cache_damaged=sum(cache.damaged_counts().values()),
+            cache_problems=tuple(p for p in (self.orders.unusable, self.commits.failed) if p),
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,

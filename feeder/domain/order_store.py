@@ -59,7 +59,10 @@ from feeder.sources import cache
 
 log = logging.getLogger("feeder.orders")
 
-RETRY_S = 5.0           # a failed build (disk full, permissions) is tried again this often
+RETRY_S = 5.0           # a failed build is tried again this often
+# What makes the cache directory unusable for an order (not the order's fault): then it is drawn
+# in memory instead (OrderStore._in_memory).
+UNUSABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 # The first positions of an order being built, drawn apart and served meanwhile (`get(early=True)`;
 # 4 MB of uint32): a rank's list in them is EARLY_POSITIONS / world samples, minutes of training
 # for the ranks of a large job while the whole (a few seconds at 10^8, minutes at 10^10) is built.
@@ -116,6 +119,9 @@ class OrderStore:
         self.build_seconds = 0.0
         self.verify_seconds = 0.0   # spent verifying files before mapping them (metrics)
         self._opening = threading.Lock()   # one verification at a time: ranks that ask together wait for it
+        # Why the cache directory cannot hold orders ("" while it can), for `feeder status` and the log.
+        self.unusable = ""
+        self._unreadable: dict[str, OSError] = {}   # orders whose file can be neither read nor replaced
 
     # -- what plans call (feeder.core.sampler.epoch_order, with the server's feeder.sources.Context) --
     def get(self, n: int, seed: int, kind: str, early: bool = False):
@@ -196,6 +202,14 @@ class OrderStore:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:   # not there yet
             return None
+        except OSError as e:   # there, but not ours to read (chmod 000, another user's): drawn again
+            try:
+                os.unlink(path)   # (in its place, where the directory lets us)
+                log.warning("order %s in %s could not be read (%s): removed, drawing it again", name, self.dir,
+                            e.strerror)
+            except OSError:
+                self._unreadable[name] = e
+            return None
         try:
             st = os.fstat(fd)
             t0 = time.perf_counter()
@@ -273,6 +287,8 @@ class OrderStore:
     def _build(self, b: Build, seed: int, kind: str) -> None:
         path = os.path.join(self.dir, b.name)
         try:
+            if b.name in self._unreadable:
+                raise self._unreadable[b.name]
             with open(path + ".lock", "a+b") as lock:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -284,7 +300,12 @@ class OrderStore:
                     self._draw(b, path, seed, kind)
                 if os.path.exists(path):   # (a waiter that opened it finds the order there once it has it)
                     os.unlink(path + ".lock")
-        except Exception as e:   # (disk full, permissions): the stream says so and asks again
+        except OSError as e:
+            if e.errno in UNUSABLE and self._in_memory(b, seed, kind, e):
+                return   # (served: drawn in this process's memory instead)
+            b.error, b.failed_at = str(e), time.monotonic()
+            log.error("order %s: build failed: %s", b.name, e)
+        except Exception as e:   # the stream says so and asks again
             b.error, b.failed_at = str(e), time.monotonic()
             log.error("order %s: build failed: %s", b.name, e)
         finally:
@@ -293,6 +314,30 @@ class OrderStore:
                     self._builds.pop(b.name, None)
                     b.early_progress[1] = 1   # (the whole is there: its early part, if still drawn, is not needed)
                 self._threads.pop(b.name, None)
+
+    def _in_memory(self, b: Build, seed: int, kind: str, e: OSError) -> bool:
+        """The cache directory cannot hold the order (no permission, read-only, full): the data is
+        sound, so the order is drawn in this process's memory and served, not shared, with a
+        warning and `feeder status` saying what to fix (issue 44.2: the rank waited in silence
+        while the log said "build failed" every 5 s). False when the draw itself fails."""
+        why = (f"cache directory {self.dir}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}); epoch "
+               "orders are drawn in each feeder process's memory, not shared: give this user a writable directory "
+               "with room (--cache-dir)")
+        if why != self.unusable:
+            log.warning("%s (order %s)", why, b.name)
+        self.unusable = why
+        try:
+            arr = order.torch_randperm(b.n, seed, kind)[0]
+        except Exception as err:   # noqa: BLE001 - (memory): the build's own error is what the rank hears
+            log.error("order %s: drawing it in memory failed too: %s", b.name, err)
+            return False
+        arr.setflags(write=False)
+        with self._lock:
+            self._mapped[b.name] = arr
+            while len(self._mapped) > 8:
+                self._mapped.pop(next(iter(self._mapped)))
+        self.built += 1
+        return True
 
     def _wait_for_other(self, b: Build, path: str, lock) -> None:
         """Another process holds the lock: take its progress from the sidecar, until the file

@@ -73,3 +73,4 @@ class ProcessStatus:
     preparing: tuple[str, ...] = ()   # what streams that cannot start yet wait for (feeder.preparing)
     packings: tuple[str, ...] = ()   # the best-fit packings served (feeder.sources.packed.describe)
     cache_damaged: int = 0       # cache entries found damaged, removed and rebuilt (feeder.sources.cache)
+    cache_problems: tuple[str, ...] = ()   # what the cache directory cannot hold, and what is done instead

@@ -63,6 +63,8 @@ def render(reply, target: str):
         t.caption = "no jobs yet"
     if reply.packings:    # best-fit packings served: documents cut, padding, how long they took
         t.caption = "\n".join(["packing: " + p for p in reply.packings] + ([t.caption] if t.caption else []))
+    if reply.cache_problems:   # served, but not from the cache: the operator has something to fix
+        t.caption = "\n".join(["CACHE: " + p for p in reply.cache_problems] + ([t.caption] if t.caption else []))
     if reply.preparing:   # streams wait for these before their first batch
         t.caption = "\n".join(["preparing: " + p for p in reply.preparing] + ([t.caption] if t.caption else []))
     return t

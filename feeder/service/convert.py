@@ -148,7 +148,8 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            rss_mb=status.rss_mb, tasks=status.tasks, threads=status.threads,
                            processes=status.processes, chunks_changed=status.chunks_changed,
                            scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
-                           packings=status.packings, cache_damaged=status.cache_damaged)
+                           packings=status.packings, cache_damaged=status.cache_damaged,
+                           cache_problems=status.cache_problems)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size, elastic=j.elastic)
         for r in j.ranks:
@@ -176,6 +177,7 @@ def scoped_status(reply: pb.StatusReply, job: str = "") -> pb.StatusReply:
         reply.packings.extend(packings)
         del reply.building[:]
         del reply.preparing[:]
+        del reply.cache_problems[:]   # (the process's directory: the operator's)
     return reply
 
 

@@ -73,6 +73,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                                      "before mapping them", ()),
     "feeder_cache_damaged_total": ("counter", "Cache entries (order, snapshot, packing) this process found damaged, "
                                               "removed and rebuilt (none of them served)", ("kind",)),
+    "feeder_cache_unusable": ("gauge", "1 while this process cannot keep epoch orders in its cache directory "
+                                       "(read-only, full, not this user's) and draws them in memory instead", ()),
     "feeder_info": ("gauge", "Constant 1, labelled with the feeder's version and region", ("version", "region")),
 }
 
@@ -165,6 +167,7 @@ class EngineCollector:
         for b in e.orders.builds():
             fam["feeder_order_build_ratio"].add_metric([b.name], b.fraction)
         fam["feeder_orders_built_total"].add_metric([], e.orders.built)
+        fam["feeder_cache_unusable"].add_metric([], 1.0 if e.orders.unusable else 0.0)
         fam["feeder_order_build_seconds_total"].add_metric([], e.orders.build_seconds)
         fam["feeder_order_verify_seconds_total"].add_metric([], e.orders.verify_seconds)
         for kind, count in cache.damaged_counts().items():

@@ -97,7 +97,7 @@ class Engine:
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
-                                 elastic=self._elastic_status(j.job),
+                                 elastic=self._elastic_status(j.job), streams_open=len(j.streams),
                                  ranks=tuple(_rank_status(r, region)
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
                        for j in jobs))

@@ -55,6 +55,7 @@ class JobStatus:
     world_size: int
     ranks: tuple[RankStatus, ...]
     elastic: str = ""   # an elastic job's last committed step, its world, the attempts that did not commit
+    streams_open: int = 0   # this job's streams open now (what a caller scoped to its jobs is told)
 
 
 @dataclass(frozen=True, slots=True)

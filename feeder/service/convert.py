@@ -151,7 +151,8 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            packings=status.packings, cache_damaged=status.cache_damaged,
                            cache_problems=status.cache_problems)
     for j in status.jobs:
-        js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size, elastic=j.elastic)
+        js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size, elastic=j.elastic,
+                            streams_open=j.streams_open)
         for r in j.ranks:
             rs = js.ranks.add(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "members"})
             for m in r.members:
@@ -159,11 +160,18 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
     return reply
 
 
+# StatusReply's figures of the whole process (all processes of the port): a caller scoped to
+# some jobs is told none of them (its own jobs' streams_open instead of everyone's).
+PROCESS_WIDE = ("rss_mb", "tasks", "threads", "chunks_changed", "scrubbed_bytes", "cache_damaged")
+
+
 def scoped_status(reply: pb.StatusReply, job: str = "") -> pb.StatusReply:
     """A StatusReply (this process's, or all processes' of the port merged) cut to one job
     (NOT_FOUND naming only the jobs the caller may see) and to the caller's scope: its jobs, the
-    packings of its datasets; what is being built or prepared (orders, snapshots: shared by
-    every team, named by no dataset) only to a caller who may see everything."""
+    packings of its datasets, and streams_open counting its jobs' streams only. What describes
+    the whole process (memory, tasks, threads, the scrub's and the cache's counts, what is being
+    built or prepared: every team's streams make them, issue 44.6) only to a caller who may see
+    everything; to the others those fields are 0 or empty."""
     sc = scope.current()
     keep = [j for j in reply.jobs if (not job or j.job == job) and sc.job(j.job, j.dataset)]
     if job and not keep:
@@ -178,6 +186,9 @@ def scoped_status(reply: pb.StatusReply, job: str = "") -> pb.StatusReply:
         del reply.building[:]
         del reply.preparing[:]
         del reply.cache_problems[:]   # (the process's directory: the operator's)
+        reply.streams_open = sum(j.streams_open for j in keep)
+        for name in PROCESS_WIDE:
+            reply.ClearField(name)
     return reply
 
 

@@ -2,10 +2,15 @@
 
 The kernel hands each new connection to one of the processes (SO_REUSEPORT), so a rank's
 stream, and an operator's `feeder status`, land on any of them. Each process therefore
-writes its whole status (a StatusReply) to the supervisor's directory every second and when a
-stream opens or closes, and a Status call merges the answering process's live status with the
-others' (those written in the last STALE_S seconds: a process that died or hangs drops out of
-the view).
+writes its whole status (a StatusReply) to the supervisor's directory every second and at once
+when a stream opens or closes (then at most one write per COALESCE_S), and a Status call merges
+the answering process's live status with the others' (those written in the last STALE_S
+seconds: a process that died or hangs drops out of the view). A Status for a job reads the
+others again until each has written a status taken after the call came (or, where the view
+does not show the job yet, until EVERY_S and a little more have passed; where it does, a little
+more than COALESCE_S): a stream that ran on another process just before is then in the answer,
+not NOT_FOUND (issue 44.6: 1 answer in 3 was, while the write that would show it was still to
+come).
 """
 from __future__ import annotations
 
@@ -31,27 +36,38 @@ class Siblings:
     def _path(self, i: int) -> Path:
         return self.dir / f"{i}.status"
 
-    def publish(self, reply: pb.StatusReply) -> None:
-        """This process's status, replaced whole (a reader never sees half of it)."""
+    def publish(self, reply: pb.StatusReply, taken: float | None = None) -> None:
+        """This process's status, replaced whole (a reader never sees half of it). The file's
+        modification time is when the status was `taken` (time.time()): a reader knows from it
+        whether what it reads is newer than a moment of its own (`read`)."""
         tmp = self.dir / f".{self.index}.tmp"
         tmp.write_bytes(reply.SerializeToString())
+        if taken is not None:
+            os.utime(tmp, (taken, taken))
         os.replace(tmp, self._path(self.index))
 
     def withdraw(self) -> None:
         self._path(self.index).unlink(missing_ok=True)
 
     def others(self) -> list[pb.StatusReply]:
-        now, out = time.time(), []
+        return self.read()[0]
+
+    def read(self, since: float = float("inf")) -> tuple[list[pb.StatusReply], bool]:
+        """The other live processes' statuses, and whether each was taken at or after `since`
+        (time.time()): then it shows every stream that opened, ran or closed there before it."""
+        now, out, fresh = time.time(), [], True
         for p in self.dir.glob("*.status"):
             if p == self._path(self.index):
                 continue
             try:
-                if now - p.stat().st_mtime > STALE_S:
+                taken = p.stat().st_mtime
+                if now - taken > STALE_S:
                     continue
                 out.append(pb.StatusReply.FromString(p.read_bytes()))
+                fresh = fresh and taken >= since
             except (OSError, ValueError):   # replaced or removed while we looked: as if absent
                 continue
-        return out
+        return out, fresh
 
 
 def _recency(r: pb.RankStatus) -> tuple:
@@ -64,6 +80,7 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
     out = pb.StatusReply(region=own.region, uptime_s=own.uptime_s, processes=1 + len(others))
     jobs: dict[str, pb.JobStatus] = {}
     ranks: dict[str, dict[int, list[pb.RankStatus]]] = {}
+    job_streams: dict[str, int] = {}   # each job's streams open, over the processes
     for r in (own, *others):
         out.uptime_s = max(out.uptime_s, r.uptime_s)
         out.streams_open += r.streams_open
@@ -82,13 +99,14 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
             # dataset (world_size 0): the record of a process that streamed it says them.
             if j.job not in jobs or jobs[j.job].world_size < j.world_size:
                 jobs[j.job] = j
+            job_streams[j.job] = job_streams.get(j.job, 0) + j.streams_open
             for rank in j.ranks:
                 ranks.setdefault(j.job, {}).setdefault(rank.rank, []).append(rank)
     for name in sorted(jobs):
         j = jobs[name]
         js = out.jobs.add(job=name, dataset=j.dataset, world_size=j.world_size,
                           elastic=max((o.elastic for r in (own, *others) for o in r.jobs if o.job == name), key=len,
-                                      default=""))
+                                      default=""), streams_open=job_streams.get(name, 0))
         for number in sorted(ranks.get(name, {})):
             seen = ranks[name][number]
             merged = js.ranks.add()

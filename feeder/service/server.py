@@ -6,6 +6,7 @@ import functools
 import logging
 import signal
 import threading
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -118,23 +119,26 @@ class Server:
 
     async def _publish_status(self) -> None:
         """Leave this process's status for the other processes of this port: every second, and
-        soon after a stream opens or closes (coalesced over COALESCE_S, so 64 ranks connecting
-        at once cost a few writes, not 64)."""
-        from feeder.domain.siblings import COALESCE_S, EVERY_S
+        at once when a stream opens or closes (the change written through, not COALESCE_S
+        later: a Status answered by another process right after a stream ran must see it), then
+        at most once per COALESCE_S, so 64 ranks connecting at once cost a few writes, not 64."""
+        import feeder.domain.siblings as sib
 
         siblings, changed = self.engine.siblings, asyncio.Event()
         self.engine.on_change = changed.set
         while True:
             changed.clear()
             try:
-                await asyncio.to_thread(siblings.publish, status_reply(self.engine))
+                taken = time.time()
+                await asyncio.to_thread(siblings.publish, status_reply(self.engine), taken)
             except OSError as e:   # a full or vanished directory: the view misses us, serving goes on
                 log.warning("cannot leave status for the other processes: %s", e)
-            try:
-                await asyncio.wait_for(changed.wait(), EVERY_S)
-                await asyncio.sleep(COALESCE_S)
-            except TimeoutError:
-                pass
+            await asyncio.sleep(sib.COALESCE_S)   # what changes meanwhile goes in the next write
+            if not changed.is_set():
+                try:
+                    await asyncio.wait_for(changed.wait(), max(0.0, sib.EVERY_S - sib.COALESCE_S))
+                except TimeoutError:
+                    pass
 
     @property
     def address(self) -> str:

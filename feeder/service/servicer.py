@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 
 import grpc
 
+from feeder.core import scope
 from feeder.domain.engine import Engine
 from feeder.sources import preparing
 from feeder.core.errors import COMPLETE, END, FeederError, Unavailable
@@ -165,8 +167,30 @@ class FeederServicer(pb_grpc.FeederServicer):
         e.jobs.evict_idle()
         reply = status_reply(e)
         if e.siblings is not None:   # one process of several on this port: any one answers for all
-            reply = merge(reply, await asyncio.to_thread(e.siblings.others))
+            reply = await self._all_processes(reply, request.job)
         return convert.scoped_status(reply, request.job)
+
+    async def _all_processes(self, own: pb.StatusReply, job: str) -> pb.StatusReply:
+        """This process's status merged with the other processes'. A job asked for may have run
+        on another process a moment ago, its status still to be written there (each process
+        writes through on a change, but at most once per COALESCE_S): the others are read again
+        until each wrote one taken after this call came, for a little more than COALESCE_S
+        where the view shows the job, and where it does not (NOT_FOUND otherwise) until the
+        once-a-second write is overdue (a hung process)."""
+        from feeder.domain import siblings
+
+        e, came, start = self.engine, time.time(), time.monotonic()
+        while True:
+            others, fresh = await asyncio.to_thread(e.siblings.read, came)
+            reply = merge(own, others)
+            sc = scope.current()
+            # (a job the caller may not see waits as an unknown one does: no answer is quicker)
+            shown = any(j.job == job and sc.job(j.job, j.dataset) for j in reply.jobs)
+            patience = siblings.COALESCE_S + 0.15 if shown else siblings.EVERY_S + 0.5
+            if not job or fresh or time.monotonic() - start >= patience:
+                return reply
+            await asyncio.sleep(0.02)
+            own = status_reply(e)
 
     @unary
     async def Report(self, request, context):

@@ -544,3 +544,50 @@ def test_a_cache_the_feeder_cannot_use_still_serves_the_rank_at_once(how):
             except OSError:
                 pass
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_a_packing_the_cache_cannot_hold_is_built_elsewhere_and_served(how, dataset, tmp_path):
+    """Best-fit bins on a cache directory this user cannot write, or a full one: every stream
+    failed UNKNOWN ("9482 requested and 8160 written") until the rank gave up. The process packs
+    in a directory of its own instead: the rank gets the same bins as from a sound cache, and
+    `feeder status` says what to fix."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from feeder.core.config import ServeConfig
+    from feeder.ops.status import fetch
+    from feeder.service.server import ServerThread
+
+    root = _open_dir(Path(tempfile.mkdtemp(prefix="packing-unusable-")))
+    data = root / "ds"
+    subprocess.run(["cp", "-r", str(dataset), str(data)], check=True)
+    subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
+    cache_dir = _open_dir(root / "cache")
+    mounted, prefix = False, AS_NOBODY
+    if how == "read-only":
+        os.chmod(cache_dir, 0o555)
+    else:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0755", "tmpfs", str(cache_dir)], check=True)
+        mounted, prefix = True, []
+
+    def take(address, job):
+        ds = FeederDataset([address], job=job, rank=0, world_size=2, seq_len=64, micro_batch=4, seed=1,
+                           packing="best_fit", retry_for_s=20, num_epochs=1)
+        return [(b.sample_ids.tolist(), b.tokens.tolist()) for b in ds]
+
+    a = None
+    try:
+        a = FeederProc(data, extra=["--cache-dir", str(cache_dir)], prefix=prefix)
+        got = take(a.address, f"pack-{how}")
+        said = fetch(a.address).cache_problems
+        assert any("packings cannot be kept in" in p and "--cache-dir" in p for p in said), said
+    finally:
+        if a is not None:
+            a.stop()
+        if mounted:
+            subprocess.run(["umount", str(cache_dir)], check=False)
+        os.chmod(cache_dir, 0o755)
+    with ServerThread(ServeConfig(source=str(data), listen="127.0.0.1:0", cache_dir=str(tmp_path))) as sound:
+        assert got == take(sound.address, "pack-sound") and got

@@ -25,7 +25,7 @@ from feeder.domain.order_store import OrderStore
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.jobs import Job, Jobs, RankState
 from feeder.pipeline.members import Member, Window, share_key
-from feeder.pipeline.stream import RankStream
+from feeder.pipeline.stream import MemoryBudget, RankStream, default_budget_bytes
 from feeder.domain.siblings import Siblings
 from feeder.sources import Context, Source
 from feeder.sources.mixture import MixtureSource
@@ -44,6 +44,8 @@ class Engine:
         self._mixtures: dict[tuple, MixtureSource] = {}
         self.jobs = Jobs()
         self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
+        # What every stream and members' window of this server may hold built ahead of its peer.
+        self.budget = MemoryBudget(int(cfg.memory_budget_mb * 2**20) or default_budget_bytes(cfg.processes))
         self.planner = _started_pool(PLAN_THREADS, "feeder-plan")
         self.started = time.monotonic()
         self.ledger = _open_ledger(cfg.ledger) if cfg.ledger else None
@@ -93,7 +95,7 @@ class Engine:
             building=tuple(b.describe() for b in self.orders.builds()),
             packings=tuple(packed.describe(p) for p in packed.built()),
             cache_damaged=sum(cache.damaged_counts().values()),
-            cache_problems=tuple(p for p in (self.orders.unusable, self.commits.failed) if p),
+            cache_problems=tuple(p for p in (self.orders.unusable, packed.problem, self.commits.failed) if p),
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
@@ -120,6 +122,7 @@ class Engine:
 
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
                           failover: bool = False) -> RankStream:
+        self.budget.admit(spec)   # RESOURCE_EXHAUSTED while the open streams hold the whole budget
         src = None if spec.mixture else self.source(spec.dataset)
         if not cursor and spec.global_batch == "shrink" and spec.first_step:
             cursor = await self._committed(spec)
@@ -132,7 +135,7 @@ class Engine:
         # torch release each one names (they agree wherever their releases draw the same).
         # (and a mixture's epoch_samples as the plan filled it in)
         spec = dataclasses.replace(spec, permutation=plan.spec.permutation, epoch_samples=plan.spec.epoch_samples)
-        stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize)
+        stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize, self.budget)
         try:
             stream.state = self.jobs.attach(spec, stream)
         except BaseException:
@@ -221,7 +224,7 @@ class Engine:
             if window is None:
                 window = job.windows[key] = Window(key, spec, plan, cursor, self.cfg, self.pool, self.serialize,
                                                    on_empty=lambda w: job.windows.pop(w.key, None)
-                                                   if job.windows.get(w.key) is w else None)
+                                                   if job.windows.get(w.key) is w else None, budget=self.budget)
                 window.state = stream.state
             else:
                 plan.close()   # another member made it meanwhile

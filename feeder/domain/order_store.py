@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from feeder.core import order
-from feeder.core.errors import FailedPrecondition
+from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.core.sampler import Early, OrderPending
 from feeder.domain import order_file
 from feeder.domain.order_file import TRAILER
@@ -107,7 +107,18 @@ class OrderStore:
     """Large torch orders for one feeder process (see the module doc)."""
 
     def __init__(self, cache_dir: str, *, max_bytes: int = 64 << 30):
-        self.dir = orders_directory(cache_dir)
+        # Why the cache directory cannot hold orders ("" while it can), for `feeder status` and the log.
+        self.unusable = ""
+        try:
+            self.dir = orders_directory(cache_dir)
+        except InvalidArgument as e:   # (not this user's, read-only): orders in a directory of the process's own
+            import tempfile
+
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self.dir = tempfile.mkdtemp(prefix=f"feeder-orders-{os.getpid()}-", dir=base)
+            self.unusable = (f"{e}; epoch orders are built in {self.dir}, this process's own, not shared: give "
+                             "this user a writable --cache-dir with room")
+            log.warning(self.unusable)
         remove_orphans(self.dir)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -119,8 +130,6 @@ class OrderStore:
         self.build_seconds = 0.0
         self.verify_seconds = 0.0   # spent verifying files before mapping them (metrics)
         self._opening = threading.Lock()   # one verification at a time: ranks that ask together wait for it
-        # Why the cache directory cannot hold orders ("" while it can), for `feeder status` and the log.
-        self.unusable = ""
         self._unreadable: dict[str, OSError] = {}   # orders whose file can be neither read nor replaced
 
     # -- what plans call (feeder.core.sampler.epoch_order, with the server's feeder.sources.Context) --

@@ -3,6 +3,7 @@ Split from feeder.cli, which registers the command."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from feeder.core.config import named_sources
@@ -18,7 +19,8 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "tokens_file": "tokens_file", "insecure": "insecure", "remote_rtt_ms": "remote_rtt_ms",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
                "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index",
-               "cache_dir": "cache_dir", "cache_max_gb": "cache_max_gb", "scrub_mb_s": "scrub_mb_s"}
+               "cache_dir": "cache_dir", "cache_max_gb": "cache_max_gb", "scrub_mb_s": "scrub_mb_s",
+               "memory_budget_mb": "memory_budget_mb"}
 
 
 def serve_config(args):
@@ -60,7 +62,14 @@ def serve_config(args):
     cfg = ServeConfig(**values)
     from feeder.domain.order_store import orders_directory
 
-    orders_directory(cfg.cache)   # before the sources open (their warnings would precede the one line)
+    try:   # before the sources open (their warnings would precede this one)
+        orders_directory(cfg.cache)
+    except InvalidArgument as e:
+        if os.path.exists(cfg.cache) and not os.path.isdir(cfg.cache):
+            raise   # a file named for the directory: the operator's mistake, said in one line
+        # Not this user's to write, read-only: served all the same from the process's own
+        # directory (OrderStore, packed), said loudly here and in `feeder status`.
+        logging.getLogger("feeder").warning("%s: the feeder serves without sharing what it builds", e)
     if args.metrics_port is not None:
         # Loopback unless told otherwise: metrics name every job, so reaching them from
         # elsewhere is a choice (--metrics-host), with a metrics token when there is a tokens file.
@@ -119,6 +128,10 @@ def add_serve(sub) -> None:
                    help="bytes of a model-parallel rank's messages kept for its members (default 64 MiB; "
                         "docs/model-parallel.md)")
     s.add_argument("--message-bytes", type=int, help="target size of one stream message (default 1 MiB)")
+    s.add_argument("--memory-budget-mb", type=float,
+                   help="MiB of messages built ahead of what the peers read, over all streams of a process: past "
+                        "3/4 of it each stream queues one message, past all of it new streams get RESOURCE_EXHAUSTED "
+                        "(default 0: an eighth of the host's or cgroup's memory, shared by the --processes)")
     s.add_argument("--compression", choices=["zstd", "none"],
                    help="for streams that do not choose (default zstd; remote ranks always get zstd)")
     s.add_argument("--compression-level", type=int, help="zstd level (default 3)")

@@ -44,6 +44,10 @@ log = logging.getLogger("feeder.packing")
 _lock = threading.Lock()          # _tables and _building only: never held across a build
 _tables: dict[tuple[str, int, int], "PackedTable"] = {}
 _building: dict[tuple[str, int, int], threading.Lock] = {}   # one build per (source, seq_len) at a time
+# Why the cache directory could not hold a packing ("": it could), for `feeder status`; and the
+# process's own directory the packings are built in instead (made on first need).
+problem = ""
+_elsewhere: Path | None = None
 
 
 def directory(cache_dir: str = "") -> Path:
@@ -130,7 +134,10 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
             got = _tables.get(key)
             if got is not None and got.source is source:
                 return got
-        where = directory(ctx.cache_dir) / identity(source.fingerprint, seq_len, cfg.block_tokens)
+        try:
+            where = directory(ctx.cache_dir) / identity(source.fingerprint, seq_len, cfg.block_tokens)
+        except OSError as e:   # (the directory cannot even be made)
+            where = _instead(ctx.cache_dir, e) / identity(source.fingerprint, seq_len, cfg.block_tokens)
         # Processes sharing the cache may find a damaged sidecar together: each removes only the
         # one it checked (cache.remove_damaged), and one that finds the sidecar gone again (another
         # removed its copy) builds or reads again, a few times.
@@ -139,7 +146,13 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
             # place, is damage, removed by _load, not a build under way)
             loaded = _load(where, source, seq_len, cfg) if where.exists() or where.is_symlink() else None
             if loaded is None:
-                build(source, seq_len, where, ctx)
+                try:
+                    build(source, seq_len, where, ctx)
+                except OSError as e:   # read-only, full, not this user's: built where this process can
+                    if where.parent == _elsewhere:
+                        raise
+                    where = _instead(ctx.cache_dir, e) / where.name
+                    build(source, seq_len, where, ctx)
                 loaded = _load(where, source, seq_len, cfg)
             if loaded is not None:
                 break
@@ -157,6 +170,26 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
 
 
 _ARRAYS = pack_blocks.ARRAYS
+
+
+def _instead(cache_dir: str, e: OSError) -> Path:
+    """The cache directory cannot hold a packing (issue 44.2: a full disk failed every stream with
+    UNKNOWN until the rank gave up): this process builds its packings in a directory of its own
+    (in memory, /dev/shm, where there is one), with a warning and `feeder status` saying what to
+    fix. The data is sound, so the rank is served; only the sharing is lost."""
+    global problem, _elsewhere
+    import tempfile
+
+    if _elsewhere is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _elsewhere = Path(tempfile.mkdtemp(prefix=f"feeder-packing-{os.getpid()}-", dir=base))
+    why = (f"packings cannot be kept in {os.path.join(cache_dir, 'packing') if cache_dir else 'the user cache'} "
+           f"({type(e).__name__}: {e.strerror or e}); each feeder process packs in {_elsewhere} instead, not shared: "
+           "give this user a writable --cache-dir with room")
+    if why != problem:
+        log.warning(why)
+    problem = why
+    return _elsewhere
 
 
 def _digest(arrays: dict) -> str:

@@ -397,8 +397,18 @@ class ServeConfig:
     # The background scrub (feeder.scrub): MB/s of verified, memory-mapped chunks re-hashed, so
     # a byte changed on disk after its chunk's first read is found and never served again. 0: off.
     scrub_mb_s: float = 16.0
+    # The process's budget for messages built ahead of what its peers read, over all its streams
+    # and members' windows (feeder.pipeline.stream.MemoryBudget): past half of it streams queue
+    # one message each (their read-ahead shrinks), past all of it new streams get
+    # RESOURCE_EXHAUSTED. 0: fitted to the host (an eighth of its or its cgroup's memory,
+    # shared by the --processes, 64 MiB to 16 GiB).
+    memory_budget_mb: float = 0.0
 
     def __post_init__(self):
+        if isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float)) \
+                or not 0 <= self.memory_budget_mb < 2**31:
+            raise InvalidArgument("memory_budget_mb must be a non-negative number of MiB (0: fitted to the host), "
+                                  f"got {shown(self.memory_budget_mb)}")
         if bool(self.source) == bool(self.sources):
             raise InvalidArgument("serve needs one dataset (source) or several named ones (sources), got "
                                   f"{'both' if self.source else 'neither'}")

@@ -130,7 +130,7 @@ def add_serve(sub) -> None:
     s.add_argument("--message-bytes", type=int, help="target size of one stream message (default 1 MiB)")
     s.add_argument("--memory-budget-mb", type=float,
                    help="MiB of messages built ahead of what the peers read, over all streams of a process: past "
-                        "3/4 of it each stream queues one message, past all of it new streams get RESOURCE_EXHAUSTED "
+                        "half of it each stream queues one message, past all of it new streams get RESOURCE_EXHAUSTED "
                         "(default 0: an eighth of the host's or cgroup's memory, shared by the --processes)")
     s.add_argument("--compression", choices=["zstd", "none"],
                    help="for streams that do not choose (default zstd; remote ranks always get zstd)")

@@ -84,6 +84,10 @@ def child_argv(argv: list[str], cfg: ServeConfig, index: int, listen: str, sibli
         out += ["--metrics-host", host, "--metrics-port", str(int(port) + index if int(port) else 0)]
     if cfg.ledger:
         out += ["--ledger", f"{cfg.ledger}.{index}"]
+    if not cfg.memory_budget_mb:   # the host's default budget, shared by the processes
+        from feeder.pipeline.stream import default_budget_bytes
+
+        out += ["--memory-budget-mb", f"{default_budget_bytes(cfg.processes) / 2**20:.1f}"]
     return out
 
 

@@ -30,7 +30,7 @@ from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.errors import FeederError
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.jobs import slot_of
-from feeder.pipeline.stream import UNTIL, WAITING, WAITING_EVERY_S, WAITING_POLL_S, Producer, RankStream
+from feeder.pipeline.stream import UNTIL, WAITING, WAITING_EVERY_S, WAITING_POLL_S, MemoryBudget, Producer, RankStream
 from feeder.sources import Plan
 
 log = logging.getLogger("feeder.stream")
@@ -59,8 +59,11 @@ class Window:
     """One data-parallel rank's messages, built once for its members (see the module doc)."""
 
     def __init__(self, key: tuple, spec: StreamSpec, plan: Plan, opened_at: bytes, cfg: ServeConfig,
-                 pool, serialize: Callable[[Block], bytes], on_empty: Callable[["Window"], None]):
+                 pool, serialize: Callable[[Block], bytes], on_empty: Callable[["Window"], None],
+                 budget: MemoryBudget | None = None):
         self.key, self.spec, self.plan, self.cfg = key, spec, plan, cfg
+        # Its messages count in the server's budget as long as it keeps them.
+        self.budget = budget if budget is not None else MemoryBudget(1 << 62)
         self.pool = plan.executor or pool
         self._build = Producer(spec, plan, cfg, serialize)
         self._on_empty = on_empty
@@ -135,6 +138,7 @@ class Window:
             self._task.cancel()
         self.plan.close()
         self.entries.clear()
+        self.budget.release(self.bytes)
         self.bytes = 0
         self._notify()
         self._on_empty(self)
@@ -151,7 +155,13 @@ class Window:
         if ahead <= 0:
             return True
         queued = sum(e.size for e in self.entries if e.seq >= fastest)
-        return ahead < self.cfg.prefetch_messages and queued < self.cfg.prefetch_bytes
+        if not (ahead < self.cfg.prefetch_messages and queued < self.cfg.prefetch_bytes):
+            return False
+        # (the next message's size is not known before it is built: the last one's stands for it)
+        if self.budget.more(self.entries[-1].size if self.entries else self.cfg.message_bytes):
+            return True
+        self.budget.wait(self._notify)   # asked again when the budget has room
+        return False
 
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
@@ -176,14 +186,21 @@ class Window:
                           first=(int(block.epochs[0]), int(block.steps[0])), block=block, wire=wire, size=len(wire))
                 self.entries.append(e)
                 self.bytes += e.size
+                self.budget.charge(e.size)
                 self.next_seq += 1
                 self._last = e.after
                 self.built += 1
                 if self.state is not None:
                     self.state.window_builds += 1
                 # Bounded in bytes whoever has read what: a member left behind reads on its own.
-                while len(self.entries) > 1 and self.bytes > self.cfg.window_bytes:
-                    self.bytes -= self.entries.popleft().size
+                # Past the server's budget, what every joined member has read is let go too.
+                slowest = min((m.next for m in self.members.values() if m.joined), default=self.next_seq)
+                while len(self.entries) > 1 and (self.bytes > self.cfg.window_bytes or (
+                        self.budget.used > self.budget.limit * MemoryBudget.EXTRA_SHARE
+                        and self.entries[0].seq < slowest)):
+                    gone = self.entries.popleft().size
+                    self.bytes -= gone
+                    self.budget.release(gone)
                 self._notify()
         except asyncio.CancelledError:
             raise

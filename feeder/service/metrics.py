@@ -62,6 +62,12 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_streams_open": ("gauge", "Streams open in this process", ()),
     "feeder_jobs": ("gauge", "Jobs known to this process", ()),
     "feeder_resident_memory_bytes": ("gauge", "Resident set size of this process", ()),
+    "feeder_memory_budget_bytes": ("gauge", "Bytes the streams of this process may hold built ahead of their "
+                                            "peers (--memory-budget-mb)", ()),
+    "feeder_memory_budget_used_bytes": ("gauge", "Bytes the streams of this process hold built ahead of their "
+                                                 "peers now", ()),
+    "feeder_memory_budget_refused_total": ("counter", "Streams refused (RESOURCE_EXHAUSTED) because the open streams "
+                                                      "held the whole memory budget", ()),
     "feeder_scrubbed_bytes_total": ("counter", "Bytes of verified chunks re-hashed by the background scrub",
                                     ("dataset",)),
     "feeder_chunks_changed_total": ("counter", "Chunks the scrub found changed on disk (DATA_LOSS since)",
@@ -159,6 +165,9 @@ class EngineCollector:
         fam["feeder_streams_open"].add_metric([], e.jobs.streams_open)
         fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
         fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)
+        fam["feeder_memory_budget_bytes"].add_metric([], e.budget.limit)
+        fam["feeder_memory_budget_used_bytes"].add_metric([], e.budget.used)
+        fam["feeder_memory_budget_refused_total"].add_metric([], e.budget.refused)
         fam["feeder_info"].add_metric([e.version, e.cfg.region], 1.0)
         if e.scrubber is not None:
             for name in e.scrubber.sources:

@@ -1,11 +1,14 @@
 """feeder_client.parallel (issue 33): a framework's parallel layout -> the feeder stream a process
 reads (data-parallel rank and size, member of members, context-parallel slice). Real meshes: a
-4-process gloo group builds a torch DeviceMesh and initializes Megatron-core's parallel_state;
-DeepSpeed's PipelineEngine is covered end to end by tests/test_pipeline.py."""
+4-process gloo group builds a torch DeviceMesh, initializes Megatron-core's parallel_state, then
+DeepSpeed with Ulysses sequence parallelism (data_parallel_size 2 x sequence_parallel_size 2), whose
+processes stream from a live feeder; DeepSpeed's PipelineEngine is covered end to end by
+tests/test_pipeline.py."""
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from feeder_client.parallel import FeederRanks, mesh_ranks
@@ -30,7 +33,33 @@ def test_the_rule_for_every_combination_of_dimensions():
         mesh_ranks(dp=(0, 1), tp=(2, 2))
 
 
-def _worker(rank: int, port: int, q) -> None:
+def test_ulysses_from_accelerates_config_and_an_mpu_and_a_mesh_with_ring_and_ulysses_refused():
+    """What the 4-process test below cannot build on CPU: Accelerate's sp_size (DeepSpeed's ALST,
+    which builds no mesh) before prepare, DeepSpeed's ALST mpu (a sequence-data-parallel group
+    of dp x sp processes), and a mesh naming both kinds of context parallelism."""
+    from types import SimpleNamespace
+
+    from feeder_client.parallel import feeder_ranks, from_deepspeed, from_device_mesh
+
+    class Accelerator:   # (feeder_ranks tells an Accelerator by its type's name)
+        process_index, num_processes, torch_device_mesh, deepspeed_engine_wrapped = 3, 4, None, None
+        parallelism_config = SimpleNamespace(sp_size=2)
+
+    ulysses = FeederRanks(1, 2, cp_rank=1, cp_size=2, cp_layout="contiguous")
+    assert feeder_ranks(Accelerator()) == ulysses
+    assert feeder_ranks(Accelerator()).kwargs()["cp_layout"] == "contiguous"
+    mpu = SimpleNamespace(get_sequence_parallel_rank=lambda: 1, get_sequence_parallel_world_size=lambda: 2,
+                          get_sequence_data_parallel_rank=lambda: 3, get_sequence_data_parallel_world_size=lambda: 4,
+                          initialize_sequence_parallel=None)
+    assert from_deepspeed(SimpleNamespace(mpu=mpu)) == ulysses
+    mesh = SimpleNamespace(mesh_dim_names=("dp", "cp", "sp"), shape=(1, 2, 2), get_coordinate=lambda: [0, 1, 1])
+    with pytest.raises(ValueError, match=r"both ring \(cp, 2\) and Ulysses \(sp, 2\)"):
+        from_device_mesh(mesh)
+    with pytest.raises(ValueError, match="cp_layout must be zigzag"):
+        mesh_ranks(dp=(0, 1), cp=(0, 2), cp_layout="ring")
+
+
+def _worker(rank: int, port: int, address: str, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
@@ -56,24 +85,43 @@ def _worker(rank: int, port: int, q) -> None:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
     out["megatron_cp"] = feeder_ranks(ps)
+    ps.destroy_model_parallel()
+    # DeepSpeed's name for Ulysses in its own mesh
+    out["ds_mesh"] = feeder_ranks(init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel",
+                                                                                   "sequence_parallel")))
+    import deepspeed
+    import torch
+
+    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "data_parallel_size": 2, "sequence_parallel_size": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out["ulysses"] = r = feeder_ranks(engine)
+    ds = DistributedFeederDataset(address, job="ulysses", seq_len=16, micro_batch=2, parallel=engine)
+    out["ulysses_spec"] = (ds.spec.rank, ds.spec.world_size, ds.spec.cp_rank, ds.spec.cp_size, ds.spec.cp_layout)
+    it = iter(ds)
+    b = next(it)   # both sequence-parallel processes of a data-parallel rank are served, each its slice
+    it.close()
+    out["ulysses_batch"] = (b.sample_ids.tolist(), b.tokens.tolist())
     q.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.timeout(300)
-def test_real_device_meshes_and_megatron_parallel_state_in_four_processes():
+@pytest.mark.timeout(420)
+def test_real_device_meshes_megatron_parallel_state_and_deepspeed_ulysses_in_four_processes(feeder, stream):
     import torch.multiprocessing as tmp
 
-    from tests.helpers import free_port
+    from feeder.core import context
+    from feeder.core.sampler import n_samples
+    from tests.helpers import free_port, reference_ids
 
     ctx = tmp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(4)]
+    procs = [ctx.Process(target=_worker, args=(r, port, feeder.address, q)) for r in range(4)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=240) for _ in range(4))
+    got = dict(q.get(timeout=360) for _ in range(4))
     for p in procs:
         p.join(60)
     F = FeederRanks
@@ -90,3 +138,15 @@ def test_real_device_meshes_and_megatron_parallel_state_in_four_processes():
     cp = [got[r]["megatron_cp"] for r in range(4)]
     assert sorted((m.rank, m.cp_rank) for m in cp) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(m.world_size == 2 and m.cp_size == 2 and m.members == 1 for m in cp)
+    # DeepSpeed Ulysses, data_parallel_size 2 x sequence_parallel_size 2 (sp groups of consecutive
+    # ranks): each sp rank its own contiguous slice of its data-parallel rank's samples
+    ul = [F(d, 2, cp_rank=c, cp_size=2, cp_layout="contiguous") for d in (0, 1) for c in (0, 1)]
+    assert [got[r]["ulysses"] for r in range(4)] == ul
+    assert [got[r]["ds_mesh"] for r in range(4)] == ul
+    assert [got[r]["ulysses_spec"] for r in range(4)] == [(u.rank, 2, u.cp_rank, 2, "contiguous") for u in ul]
+    n = n_samples(len(stream), 16)
+    for r, u in enumerate(ul):
+        ids, tokens = got[r]["ulysses_batch"]
+        assert ids == reference_ids(n, 2, u.rank, shuffle=True, seed=0, drop_last=False, epoch=0)[:2]
+        whole = np.stack([stream[i * 16:i * 16 + 17] for i in ids]).astype(np.int64)
+        assert tokens == context.cut(whole, 16, 2, u.cp_rank, "contiguous").tolist()

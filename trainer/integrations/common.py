@@ -122,7 +122,7 @@ class DistributedFeederDataset(FeederDataset):
     `parallel`: the framework's parallel layout (a DeviceMesh, an Accelerator with a
     ParallelismConfig, a Lightning ModelParallelStrategy, a DeepSpeed engine; Megatron's
     parallel_state is found by itself once initialized): rank and world_size are then its
-    data-parallel ones, and member, members, cp_rank, cp_size its (docs/model-parallel.md).
+    data-parallel ones, and member, members, cp_rank, cp_size, cp_layout its (docs/model-parallel.md).
     """
 
     def __init__(self, *args, rank: int | None = None, world_size: int | None = None, parallel=None, **kw):
@@ -131,7 +131,7 @@ class DistributedFeederDataset(FeederDataset):
         rank, world_size = rank_and_world(rank, world_size, self.parallel)
         if self.parallel is not None:   # model parallel: which member of the rank this process is
             r = feeder_ranks(self.parallel)
-            for k in ("member", "members", "cp_rank", "cp_size"):
+            for k in ("member", "members", "cp_rank", "cp_size", "cp_layout"):
                 kw.setdefault(k, getattr(r, k))
         super().__init__(*args, rank=rank, world_size=world_size, **kw)
 

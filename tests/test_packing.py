@@ -645,3 +645,69 @@ def test_a_document_that_fills_a_bin_exactly_is_not_cut_and_one_token_longer_is(
         assert first == [seq_len + 1]   # the first document's bin: whole, alone
     oracle = packed_bins([exact, short], seq_len)
     assert oracle[0].tolist() == [*b"a" * seq_len, 256]   # the exact one with its EOS, uncut
+
+
+# ------------------------------------------------------------- packing helpers on context parallelism
+
+def _member_part(whole: dict, at) -> dict:
+    """A member's part of a helper's whole-sample answers: its input positions along the
+    sequence (the query rows of an attention mask: Megatron's get_batch_on_this_cp_rank slices
+    its dim 2)."""
+    import torch
+
+    return {k: v.index_select(2 if k in ("attention_mask", "block_causal_mask") else 1, torch.as_tensor(at))
+            for k, v in whole.items()}
+
+
+@pytest.mark.parametrize("layout,cp_size", [("zigzag", 2), ("contiguous", 2), ("zigzag", 4), ("contiguous", 4)])
+def test_review_packing_helpers_give_a_context_parallel_member_its_slice_of_the_whole_samples(layout, cp_size,
+                                                                                             feeder, monkeypatch):
+    """Issue 44.4: megatron_inputs, hf_inputs, model_inputs, segment_ids and block_causal_mask
+    on a served cp_size > 1 best-fit batch are the member's positions of what each gives for the
+    whole sample (then Megatron-core's own get_batch_on_this_cp_rank for the zigzag layout);
+    hf_inputs(whole=True) is refused in one line."""
+    import itertools
+
+    import torch
+    from megatron.core import parallel_state, utils as mc_utils
+
+    from feeder.core import context
+    from feeder.core.errors import FeederError
+    from feeder_client.packing import block_causal_mask, hf_inputs, megatron_inputs, model_inputs, segment_ids
+
+    def first(**kw):
+        ds = FeederDataset([feeder.address], rank=0, world_size=1, seq_len=BIN, micro_batch=8, seed=SEED,
+                           dataset="manifest", packing="best_fit", read_ahead=1, **kw)
+        batch = next(iter(ds))
+        ds.client.close()
+        return batch
+
+    whole = first(job=f"cp-helpers-whole-{layout}-{cp_size}")
+    assert (whole.boundaries.lengths < BIN + 1).any() and whole.boundaries.counts.max() > 1   # padding, documents
+    helpers = {"hf_inputs": hf_inputs, "model_inputs": model_inputs, "segment_ids": segment_ids,
+               "block_causal_mask": block_causal_mask,
+               **{f"megatron_inputs{f}": (lambda b, f=f: megatron_inputs(b, eod_token=EOS, reset_position_ids=f[0],
+                                                                          reset_attention_mask=f[1], eod_mask_loss=f[2]))
+                  for f in itertools.product((False, True), repeat=3)}}
+    for rank in range(cp_size):
+        m = first(job=f"cp-helpers-{layout}-{cp_size}", cp_rank=rank, cp_size=cp_size, cp_layout=layout)
+        assert m.sample_ids.tolist() == whole.sample_ids.tolist()
+        at = context.positions(BIN, cp_size, rank, layout)
+        for name, helper in helpers.items():
+            got, want = helper(m), helper(whole)
+            got, want = (got, want) if isinstance(got, dict) else ({name: got}, {name: want})
+            want = _member_part(want, at)
+            assert got.keys() == want.keys(), name
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (name, k, rank)
+            if layout == "zigzag" and name.startswith("megatron_inputs"):   # as Megatron-core slices it
+                monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp_size)
+                monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+                theirs = mc_utils.get_batch_on_this_cp_rank(dict(helper(whole)))
+                assert all(torch.equal(got[k], theirs[k]) for k in want), (name, rank)
+        # Ulysses's attention sees every position after its all-to-all: the whole sample's, on asking
+        assert torch.equal(block_causal_mask(m, whole_sample=True), block_causal_mask(whole))
+        assert torch.equal(segment_ids(m, whole_sample=True), segment_ids(whole))
+        with pytest.raises(FeederError, match=r"hf_inputs\(whole=True\) needs all 65 tokens .* call "
+                                              r"hf_inputs\(batch\) and train on its shift_labels"):
+            hf_inputs(m, whole=True)

@@ -206,3 +206,101 @@ def test_two_servers_in_one_process_keep_their_own_cache_directories(dataset, st
     finally:
         for srv in servers:
             srv.stop()
+
+
+PLUGIN = '''"""An operator's plugin: an order kind and a packing, registered at import."""
+import numpy as np
+
+from feeder.core import order, packing
+from feeder.core.layout import Bounds
+from feeder.core.rows import Rows
+
+
+class Reversed:
+    def __init__(self, n, seed):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        positions = np.arange(*key.indices(self.n)) if isinstance(key, slice) else np.asarray(key, dtype=np.int64)
+        return self.n - 1 - positions
+
+
+class OneDocument:
+    def __init__(self, source, seq_len, ctx):
+        starts, end = source.doc_spans(0, source.n_tokens)
+        ends = np.minimum(np.append(starts[1:], end), starts + seq_len + 1)
+        self.source, self.seq_len, self.spans, self.dtype = source, seq_len, np.stack([starts, ends], 1), source.dtype
+        self.n_samples, self.fingerprint = len(starts), "plg1doc-" + source.fingerprint
+
+    def locate(self, starts, n):
+        out = np.full((len(starts), n), self.source.eos_id, dtype=self.dtype)
+        for row, (a, b) in zip(out, self.spans[np.asarray(starts) // self.seq_len]):
+            self.source.read(int(a), row[:b - a])
+        return Rows.of(out)
+
+    def boundaries(self, starts, n):
+        a, b = self.spans[np.asarray(starts) // self.seq_len].T
+        return Bounds(np.ones(len(a), np.int32), (b - a).astype(np.int32), np.zeros(len(a), np.int32))
+
+
+order.register(order.OrderKind("plugin-reversed", 201, Reversed, materialized=False))
+packing.register(packing.PackingKind("plugin-one-doc", "plg1doc-", wrap=OneDocument))
+'''
+
+
+def test_review_feeder_serve_plugin_serves_an_operators_order_kind_and_packing(dataset, docs, tmp_path,
+                                                                               monkeypatch):
+    """Issue 44.7: `feeder serve --plugin MODULE` imports an operator's module (here from a
+    directory on PYTHONPATH) before serving, and a real `feeder serve` streams with its order kind
+    and packing; a plugin that does not import, or clashes, ends serve in one line (exit 2)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import FeederProc
+
+    (tmp_path / "toy_feeder_plugin.py").write_text(PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    # the client names the order kind in its cursors too: the trainer imports the plugin as well
+    monkeypatch.setattr(order, "_BY_NAME", dict(order._BY_NAME))
+    monkeypatch.setattr(order, "_BY_BYTE", dict(order._BY_BYTE))
+    monkeypatch.setattr(packing, "_KINDS", dict(packing._KINDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "toy_feeder_plugin", raising=False)
+    import toy_feeder_plugin  # noqa: F401
+    monkeypatch.delitem(sys.modules, "toy_feeder_plugin")
+    monkeypatch.setattr(packing, "_KINDS", {k: v for k, v in packing._KINDS.items() if k != "plugin-one-doc"})
+
+    seq, mb, eos, n = 24, 4, 256, len(docs)
+    feeder = FeederProc(dataset, extra=["--plugin", "toy_feeder_plugin"])
+    try:
+        spec = StreamSpec(job="plugin", rank=0, world_size=1, seq_len=seq, micro_batch=mb, packing="plugin-one-doc",
+                          permutation="plugin-reversed", num_epochs=1)
+        c = FeederClient(ClientConfig(targets=(feeder.address,), spec=spec, retry_for_s=10))
+        got = list(c)
+        c.close()
+        assert [i for b in got for i in b.sample_ids.tolist()] == list(range(n - 1, -1, -1))
+        for b in got:
+            for row, i, length in zip(b.tokens.numpy(), b.sample_ids.tolist(), b.boundaries.lengths.tolist()):
+                doc = [*docs[i].encode(), eos][:seq + 1]
+                assert row.tolist() == doc + [eos] * (seq + 1 - len(doc)) and length == len(doc)
+        assert Cursor.decode(got[0].cursor, b"").permutation == "plugin-reversed"
+    finally:
+        feeder.stop()
+
+    (tmp_path / "clashing_plugin.py").write_text(
+        "from feeder.core import packing\n"
+        "packing.register(packing.PackingKind('mine', 'bf-x', wrap=lambda s, n, c: s))\n")
+    for plugin, why in (("no_such_feeder_plugin", "ModuleNotFoundError: No module named 'no_such_feeder_plugin'"),
+                        (str(tmp_path / "missing.py"), f"FileNotFoundError: no file {tmp_path / 'missing.py'}"),
+                        ("clashing_plugin", "ValueError: packing 'mine': its fingerprint prefix 'bf-x' is not told "
+                                            "apart from 'best_fit''s 'bf-'")):
+        out = subprocess.run([sys.executable, "-m", "feeder.cli", "serve", "--source", str(dataset), "--listen",
+                              "127.0.0.1:0", "--plugin", "toy_feeder_plugin", "--plugin", plugin],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stdout == "", out
+        assert out.stderr.count("\n") == 1 and out.stderr.startswith(
+            f"feeder serve: error: --plugin {plugin} cannot be imported: {why}; a plugin is "), out.stderr

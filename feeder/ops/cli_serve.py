@@ -78,13 +78,57 @@ def serve_config(args):
     return cfg
 
 
+def load_plugins(plugins) -> list[str]:
+    """Import each `--plugin` (a module on this Python's path, or a .py file) before anything is
+    served, so the order kinds and packings it registers at import (docs/extending.md) are
+    served; what each added, for the log. InvalidArgument, in one line, for one that does not
+    import (whatever it raised) or registers what clashes with a registration already there."""
+    import importlib
+    import importlib.util
+    import sys
+
+    from feeder.core import order, packing
+    from feeder.core.errors import InvalidArgument
+
+    told = []
+    for name in plugins or ():
+        before = set(order.kinds()), set(packing.names())
+        try:
+            if name.endswith(".py"):
+                path = os.path.abspath(name)
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"no file {path}")
+                spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[spec.name]
+                    raise
+            else:
+                importlib.import_module(name)
+        except Exception as e:   # (its own code: anything at all; the operator gets one line, not a traceback)
+            where = "a .py file" if name.endswith(".py") else \
+                "a module importable by this Python (on PYTHONPATH, or installed in its environment)"
+            raise InvalidArgument(f"--plugin {name} cannot be imported: {type(e).__name__}: {e}; a plugin is {where} "
+                                  "whose import registers its order kinds and packings") from None
+        added = [f"order kind {k}" for k in order.kinds() if k not in before[0]] + \
+            [f"packing {k}" for k in packing.names() if k not in before[1]]
+        told.append(f"plugin {name}: {', '.join(added) or 'registered no order kind or packing'}")
+    return told
+
+
 def cmd_serve(args) -> int:
     from feeder.ops import logs
     from feeder.core.malloc import keep_freed_memory
     from feeder.service.server import new_loop, serve_forever
 
+    told = load_plugins(args.plugin)   # before the config: what it registers is what the feeder serves
     cfg = serve_config(args)
     logs.setup(cfg.log_format, process=cfg.process_index if cfg.sibling_dir else None)
+    for line in told:
+        logging.getLogger("feeder").info("%s", line)
     if cfg.processes > 1:
         from feeder.ops.supervise import supervise
 
@@ -114,6 +158,9 @@ def add_serve(sub) -> None:
                                    "listening on HOST:PORT` once it accepts streams. Exit 0 after a clean stop; 2,"
                                    " with one line, for a bad setting or dataset.")
     s.add_argument("--config", help="region file (TOML, e.g. deploy/regions/us-east.toml); flags override it")
+    s.add_argument("--plugin", action="append", metavar="MODULE",
+                   help="import this module (or a .py file) before serving, so the order kinds and packings it "
+                        "registers are served (docs/extending.md); repeatable, in order")
     s.add_argument("--source", action="append", help="dataset directory (manifest.json, or Parquet token files), "
                    "or kafka://HOST:PORT/TOPIC[?mode=bounded|follow&bad_records=fail|skip&...]; several as "
                    "NAME=DIR|URL, the flag repeated (streams ask for one by name, or for a mixture; the first "

@@ -111,8 +111,8 @@ class ElasticFeeder:
         if not isinstance(step, int) or step < 0:
             raise FeederError(f"step must be a global step >= 0, got {step!r}", code=Code.INVALID_ARGUMENT)
         question = (step, replica, replicas, self.committed_cursor if self.global_batch == "shrink" else None)
-        if self._last is not None and self._last[0] == question:
-            return list(self._last[1])   # the same step again in the same world: the same micro-batches
+        if self._last is not None and self._last[0] == question:   # the same step again in the same world
+            return [b for b in self._last[1] if len(b.sample_ids)]   # (the same micro-batches; an empty part's marker is none)
         if self._client is None or self._world != (replica, replicas) or self._next != step:
             self._open(step, replica, replicas)
         got = self._read(step)

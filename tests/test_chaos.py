@@ -255,3 +255,13 @@ def test_elastic_scenario(seed):
     assert res.ok, (f"seed {seed} failed (replay: python -m tests.chaos --elastic --seed {seed}; work dir "
                     f"{res.workdir}): {res.scenario.describe()}\n" + "\n".join(res.errors[:5]))
     assert res.samples > 0 and res.faults["churn"] >= 1
+
+
+# Bugs the elastic soak found (seeds 970000-970499 at e08aee6's harness), kept as regressions:
+#   970373: a step asked again in the same world, by a replica with an empty part, was answered
+#           from memory with the empty part's marker batch (a batch of 0 samples to train on);
+#   970237: `feeder audit` allowed a constant job's padding for the world its first stream saw
+#           (2, after a replica left at once), not the 3 its global batch is dealt for.
+@pytest.mark.parametrize("seed", [970373, 970237])
+def test_elastic_soak_regression(seed):
+    test_elastic_scenario(seed)

@@ -217,7 +217,7 @@ def test_elastic_feeder_over_grpc(two_feeders, stream, policy):
 
     def sent_part(ln: str) -> bool:   # every copy of step 3's first part to replica 0, in whichever world
         rec = json.loads(ln)
-        return "elastic" in rec and (rec["step"], rec["rank"], rec["part"]) == (3, 0, 0)
+        return "elastic" in rec and "open" not in rec and (rec["step"], rec["rank"], rec["part"]) == (3, 0, 0)
 
     damaged = Path(a.cfg.cache) / f"damaged-{policy}.jsonl"
     damaged.write_text("\n".join(ln for ln in lines if not sent_part(ln)) + "\n")
@@ -279,16 +279,16 @@ def test_shrink_step_without_any_commit_is_refused(two_feeders, monkeypatch):
 def test_other_sampling_fields_refused_within_one_job(two_feeders):
     """Replicas of one elastic job share policy and accumulation (the world may differ)."""
     t = [f"127.0.0.1:{two_feeders[0].port}"]
-    a = _feeders(t, "constant", 1, "agree")[0]
+    a = _feeders(t, "constant", 1, "agree", num_epochs=0)[0]   # (unbounded: its stream stays open, the job live)
     a.step(0, 0, 3)
     from feeder_client.elastic import ElasticFeeder
 
     b = ElasticFeeder(t, job="agree", seq_len=L, micro_batch=2, accumulation=3, replicas=3, connect_timeout_s=5,
-                      retry_for_s=5)
+                      retry_for_s=5, num_epochs=0)
     with pytest.raises(FeederError, match="accumulation") as e:
         b.step(0, 1, 2)
     assert e.value.code == Code.FAILED_PRECONDITION
-    c = _feeders(t, "constant", 1, "agree")[0]
+    c = _feeders(t, "constant", 1, "agree", num_epochs=0)[0]
     assert len(c.step(0, 1, 2)) == 3   # another world, same job: served
     for f in (a, b, c):
         f.close()
@@ -327,3 +327,17 @@ def test_members_and_context_parallel_slices_of_a_replica(two_feeders, stream):
         for row, sid in zip(x.tokens.numpy(), x.sample_ids.tolist()):
             assert row.tolist() == stream[sid * L + L // 2:sid * L + L + 1].tolist()
     c.close()
+
+
+def test_an_empty_part_asked_again_is_still_empty(two_feeders):
+    """Soak seed 970373: a replica with nothing in a step (more replicas than the step's
+    micro-batches) asked the step again in the same world, and got the empty part's marker batch
+    (0 samples) from memory."""
+    from feeder_client.elastic import ElasticFeeder
+
+    f = ElasticFeeder([f"127.0.0.1:{two_feeders[0].port}"], job="empty-again", seq_len=L, micro_batch=2,
+                      replicas=2, connect_timeout_s=10, retry_for_s=20)
+    assert f.step(0, 2, 3) == [] and f.step(0, 2, 3) == []
+    f.commit(0, False)
+    assert f.step(0, 2, 3) == []
+    f.close()

@@ -152,6 +152,9 @@ class Engine:
                       "fingerprint": plan.fingerprint}
             if spec.mixture:   # what audit holds the per-source counts against
                 opened["mixture"] = dict(zip(src.names, src.weights))
+            if spec.elastic:   # what audit holds the committed steps' padding against
+                opened["elastic"] = {"global_batch": spec.global_batch, "start_replicas": spec.start_replicas,
+                                     "accumulation": spec.accumulation}
             self.ledger.write(json.dumps(opened) + "\n")
         log.info("stream opened job=%s rank=%d/%d worker=%d/%d from epoch %d step %d peer=%s%s%s",
                  spec.job, spec.rank, spec.world_size, spec.worker_index, spec.num_workers,

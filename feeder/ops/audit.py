@@ -73,7 +73,7 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
                 if "commit" in rec:   # an elastic job's step ended (committed or not)
                     if not job or rec["commit"] == job:
                         commits[rec["commit"]].append(rec)
-                elif "elastic" in rec:   # a global step's part: held to the step's commit
+                elif "elastic" in rec and "open" not in rec:   # a global step's part: held to the step's commit
                     if not job or rec["job"] == job:
                         parts[rec["job"]].append(rec)
                 elif "open" in rec:
@@ -156,7 +156,10 @@ def elastic_audit(job: str, meta: dict, parts: list[dict], commits: list[dict]) 
         if epoch is not None:
             steps_of[epoch] += 1
     n, out = meta["n"], []
-    widest = max([w for w, _ in worlds.values()] + [meta.get("world", 1)])
+    # A constant global batch is dealt as its start world's DistributedSampler (its padding);
+    # shrink's last segment is dealt over the world live then (at most the widest).
+    deal = meta.get("elastic") or {}
+    widest = deal.get("start_replicas") or max([w for w, _ in worlds.values()] + [meta.get("world", 1)])
     for epoch in sorted(counts):
         c = counts[epoch]
         repeats = {i: k for i, k in c.items() if k > 1}

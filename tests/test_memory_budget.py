@@ -145,3 +145,25 @@ def test_past_the_budget_new_streams_are_refused_with_what_to_do_and_open_ones_k
         peer.close()
         reader.close()
         feeder.stop()
+
+
+def test_the_budget_shrinks_read_aheads_past_half_refuses_past_all_and_wakes_a_few_at_a_time():
+    from feeder.core.config import StreamSpec
+    from feeder.core.errors import ResourceExhausted
+    from feeder.pipeline.stream import WAKE_AT_ONCE, MemoryBudget
+
+    b, woken = MemoryBudget(100), []
+    b.charge(40)
+    assert b.more(10) and not b.more(11)          # past half: no second message
+    b.charge(60)
+    with pytest.raises(ResourceExhausted, match="--memory-budget-mb"):
+        b.admit(StreamSpec(job="j", rank=0, world_size=1, seq_len=1, micro_batch=1))
+    assert b.refused == 1
+    for i in range(10):
+        b.wait(lambda i=i: woken.append(i))
+    b.release(10)                                  # 90 held: no room, nobody asked again
+    assert woken == []
+    b.release(60)                                  # 30 held: the ones held back longest, a few
+    assert woken == list(range(WAKE_AT_ONCE))
+    b.charge(5)                                    # 35: room left, the next one is asked
+    assert woken == list(range(WAKE_AT_ONCE + 1))

@@ -60,6 +60,9 @@ def default_budget_bytes(processes: int = 1) -> int:
     return max(64 << 20, min(16 << 30, host_memory_bytes() // 8 // max(1, processes)))
 
 
+WAKE_AT_ONCE = 4
+
+
 class MemoryBudget:
     """The bytes of messages built and not yet handed to gRPC, over every stream and members'
     window of a server (event-loop only). A stream's first message is always allowed (a
@@ -75,21 +78,29 @@ class MemoryBudget:
         self.limit, self.used = limit, 0
         self.refused = 0       # streams refused since the start
         self.held_back = 0     # times a stream's read-ahead was held back by the budget
-        self._waiters: list[Callable[[], None]] = []
+        self._waiters: deque[Callable[[], None]] = deque()
 
     def charge(self, n: int) -> None:
         self.used += n
+        self._wake(1)   # (room left after a woken stream took its part: the next one is asked)
 
     def release(self, n: int) -> None:
+        """`n` bytes left (sent, or dropped with their stream): where that makes room, the
+        streams held back longest are asked again, a few at a time (not all 200 held streams at
+        each message another job reads)."""
         self.used -= n
-        if self._waiters and n:
-            waiters, self._waiters = self._waiters, []
-            for wake in waiters:
-                wake()
+        self._wake(WAKE_AT_ONCE)
+
+    def _wake(self, k: int) -> None:
+        for _ in range(k):
+            if not self._waiters or self.used >= self.limit * self.EXTRA_SHARE:
+                break
+            self._waiters.popleft()()
 
     def wait(self, wake: Callable[[], None]) -> None:
-        """`wake` is called at the next release (a stream held back waits for room)."""
-        self._waiters.append(wake)
+        """`wake` is called when a release makes room (a stream held back waits for it)."""
+        if wake not in self._waiters:
+            self._waiters.append(wake)
 
     def more(self, size: int) -> bool:
         """May a stream (or window) that holds a message built ahead hold `size` bytes more?"""

@@ -150,7 +150,11 @@ class ElasticRun:
                              seed=sc.data_seed, global_batch=sc.policy, num_epochs=sc.num_epochs,
                              drop_last=sc.drop_last, shuffle=sc.shuffle, permutation=sc.permutation,
                              read_ahead=sc.read_ahead, prefer="order", idle_timeout_s=3.0, keepalive_s=2.0,
-                             retry_for_s=90.0, connect_timeout_s=60.0, failback_s=0.0)
+                             retry_for_s=90.0, connect_timeout_s=60.0, failback_s=0.0,
+                             # (each replica a trainer process of its own, as the feeders' fence knows them:
+                             # here they share one, and a dead replica's late reconnect was taken for
+                             # its own process's: soak seed 980068)
+                             client_started_ns=time.time_ns())
 
     def feeder_fault(self, h: Hit) -> None:
         f = self.feeders[h.target]

@@ -233,28 +233,43 @@ class ElasticFeeder:
 
 class TorchftFeeder:
     """An ElasticFeeder driven by a torchft Manager: the step, this replica and the live
-    replicas come from its quorum (current_step, participating_rank, num_participants).
+    replicas come from its quorum (participating_rank, current_step, num_participants).
 
         data = TorchftFeeder(ElasticFeeder(targets, job=..., replicas=3, ...), manager)
-        optimizer.zero_grad()             # torchft starts the quorum here
-        for b in data.batches(): ...      # this replica's micro-batches of the step
-        data.commit(optimizer.step())     # torchft's OptimizerWrapper.step returns should_commit()
+        optimizer.zero_grad()                      # torchft starts the quorum here
+        for b in data.batches():                   # this replica's micro-batches of the step
+            (summed_loss(b) * data.scale).backward()
+        committed = manager.should_commit()        # (OptimizerWrapper.step() asks it, and returns None)
+        if committed: inner_optimizer.step()
+        data.commit(committed)
 
-    A replica that is healing (not participating in this step) gets no batches."""
+    A replica that is healing (not participating in this step) gets no batches and reports no
+    commit; it still runs a backward pass of zeros so the all-reduce has every group."""
 
     def __init__(self, feeder: ElasticFeeder, manager):
         self.feeder, self.manager = feeder, manager
         self._step: int | None = None
+        self._dealt = False
+        self.scale = 0.0   # what a summed loss is multiplied by (see batches())
 
     def batches(self) -> list[FeederBatch]:
+        """This replica's micro-batches of the quorum's step ([] while it heals). Sets `scale`:
+        torchft's all-reduce averages over the W participants, so a loss summed over a batch's
+        samples times W / step_samples makes the step's gradient the mean over its global batch."""
         m = self.manager
-        step = m.current_step()
-        self._step = step
-        rank = m.participating_rank()
+        rank = m.participating_rank()     # waits for the quorum (async by default): the step is
+        self._step = m.current_step()     # read after it, a healed group's jumping to its peers'
+        self._dealt = rank is not None
+        self.scale = 0.0
         if rank is None:
             return []
-        return self.feeder.step(step=step, replica=rank, replicas=m.num_participants())
+        world = m.num_participants()
+        got = self.feeder.step(step=self._step, replica=rank, replicas=world)
+        if got:
+            self.scale = world / got[0].step_samples
+        return got
 
     def commit(self, committed: bool) -> None:
-        if self._step is not None:
+        """The step's fate (manager.should_commit()), for a replica that was dealt it."""
+        if self._step is not None and self._dealt:
             self.feeder.commit(step=self._step, committed=bool(committed))

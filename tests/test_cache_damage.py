@@ -591,3 +591,38 @@ def test_a_packing_the_cache_cannot_hold_is_built_elsewhere_and_served(how, data
         os.chmod(cache_dir, 0o755)
     with ServerThread(ServeConfig(source=str(data), listen="127.0.0.1:0", cache_dir=str(tmp_path))) as sound:
         assert got == take(sound.address, "pack-sound") and got
+
+
+@pytest.mark.kafka
+def test_a_kafka_epoch_the_cache_cannot_hold_is_read_into_the_process_own_and_served(kafka_broker):
+    """A bounded topic's epoch on a full cache directory (a real tmpfs of 16 KiB): the snapshot
+    is read into a directory of the process's own and served exactly; status says what to fix."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from feeder.core.config import ServeConfig
+    from feeder.core.sampler import n_samples
+    from feeder.ops.status import fetch
+    from feeder.service.server import ServerThread
+    from tests.helpers import check_batches, reference_ids
+    from tests.test_kafka_regressions import EPOCH_SEED, EPOCH_SEQ, Trickle, epoch_of, epoch_stream
+    from tests.test_kafka_snapshots import rank_batches
+
+    topic = f"snap-full-{os.getpid()}-{time.time_ns() % 10**6}"
+    Trickle(kafka_broker, topic, partitions=3, n0=600, trickle=False).stop()
+    full = _open_dir(Path(tempfile.mkdtemp(prefix="kafka-full-")))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], check=True)
+    try:
+        cfg = dict(source=f"kafka://{kafka_broker}/{topic}?vocab_size=257&eos_id=256", listen="127.0.0.1:0",
+                   cache_dir=str(full))
+        with ServerThread(ServeConfig(**cfg)) as a:
+            got = rank_batches(a.address, "full", 0)
+            said = fetch(a.address).cache_problems
+        assert any("Kafka snapshots cannot be kept in" in p and "--cache-dir" in p for p in said), said
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+    ranges = epoch_of(got[0])
+    stream = epoch_stream(kafka_broker, ranges)
+    check_batches(got, stream, EPOCH_SEQ, reference_ids(n_samples(len(stream), EPOCH_SEQ), 2, 0, shuffle=True,
+                                                         seed=EPOCH_SEED, drop_last=False, epoch=0))

@@ -17,6 +17,7 @@ from feeder.sources import cache, preparing
 from feeder.core import blend as blending
 from feeder.core import scope
 from feeder.sources import packed
+from feeder.sources.kafka import snapshot
 from feeder.core.config import ServeConfig, StreamSpec
 from feeder.core.cursor import Cursor, Mixture
 from feeder.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -95,7 +96,8 @@ class Engine:
             building=tuple(b.describe() for b in self.orders.builds()),
             packings=tuple(packed.describe(p) for p in packed.built()),
             cache_damaged=sum(cache.damaged_counts().values()),
-            cache_problems=tuple(p for p in (self.orders.unusable, packed.problem, self.commits.failed) if p),
+            cache_problems=tuple(p for p in (self.orders.unusable, packed.problem, snapshot.problem,
+                                             self.commits.failed) if p),
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,

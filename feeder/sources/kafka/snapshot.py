@@ -39,6 +39,21 @@ READERS = 8   # partitions read at once while building a snapshot (each its own 
 PROGRESS_EVERY_S = 5.0
 
 
+# Why the spool could not hold a snapshot ("" while it could), for `feeder status`; and the
+# directory of this process's own they are read into instead (made on first need).
+problem = ""
+_OWN: list[Path] = []
+
+
+def _own_spool() -> Path:
+    if not _OWN:
+        import tempfile
+
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _OWN.append(Path(tempfile.mkdtemp(prefix=f"feeder-kafka-{os.getpid()}-", dir=base)))
+    return _OWN[0]
+
+
 class Snapshots:
     """The snapshots of one topic's epochs, each built once per (ranges, policy) and shared by
     every stream that reads it; a snapshot already in the spool directory is not read again."""
@@ -69,7 +84,14 @@ class Snapshots:
                 return snap
             for last in (False, True):   # (one found damaged at open is read again, once)
                 try:
-                    self._build_or_wait(out, ranges, policy, self.identity(ranges, policy, topic_id))
+                    try:
+                        self._build_or_wait(out, ranges, policy, self.identity(ranges, policy, topic_id))
+                    except OSError as e:   # the spool cannot hold it (read-only, full, not ours): our own
+                        if self.spool == _own_spool():
+                            raise
+                        self._spool_unusable(e)
+                        out = self.dir_for(ranges, policy, topic_id)
+                        self._build_or_wait(out, ranges, policy, self.identity(ranges, policy, topic_id))
                 finally:
                     self.progress.pop(ranges, None)
                     preparing.finished(ranges)
@@ -88,6 +110,18 @@ class Snapshots:
             with self._lock:
                 self._snapshots[key] = snap
             return snap
+
+    def _spool_unusable(self, e: OSError) -> None:
+        """Issue 44.2: the data (the topic) is sound, so the rank is served from a snapshot in
+        this process's own directory, with a warning and `feeder status` saying what to fix."""
+        global problem
+        why = (f"Kafka snapshots cannot be kept in {self.spool} ({type(e).__name__}: {e.strerror or e}); each feeder "
+               f"process reads its epochs into {_own_spool()} instead, not shared: give this user a writable "
+               "--cache-dir (or spool) with room")
+        if why != problem:
+            log.warning(why)
+        problem = why
+        self.spool = _own_spool()
 
     def _damaged(self, snap: "SnapshotSource", why: str) -> None:
         """A chunk of a snapshot served here failed its check: forget it here and remove it (unless

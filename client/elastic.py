@@ -115,7 +115,16 @@ class ElasticFeeder:
             return [b for b in self._last[1] if len(b.sample_ids)]   # (the same micro-batches; an empty part's marker is none)
         if self._client is None or self._world != (replica, replicas) or self._next != step:
             self._open(step, replica, replicas)
-        got = self._read(step)
+        try:
+            got = self._read(step)
+        except FeederError as e:
+            if e.code != Code.FAILED_PRECONDITION or self.global_batch != "shrink" or self.committed_cursor is None:
+                raise
+            # The cursor held is not the one after step - 1: start from the feeders' commit log.
+            log.warning("step %d: %s; starting from the feeders' commit log instead", step, e)
+            self.committed_cursor = self.committed_step = None
+            self._open(step, replica, replicas, cursor=False)
+            got = self._read(step)
         self._next = step + 1
         self._last = (question, got)
         self._asked[step] = (replica, replicas)
@@ -125,11 +134,10 @@ class ElasticFeeder:
         """Step `step` ended: applied by every live replica (`committed`), or not (it is dealt
         again at its next attempt). Returns at once; the feeders are told in the background."""
         got = self._last[1] if self._last is not None and self._last[0][0] == step else None
-        cursor = got[-1].cursor if got else b""
+        if not got:   # not dealt here (healing, or past the last epoch): nothing of ours to record
+            return
+        cursor = got[-1].cursor
         if committed and self.global_batch == "shrink":
-            if not got:
-                raise FeederError(f"commit(step={step}) of a shrink job: this replica was not dealt step {step} "
-                                  "(step() first)", code=Code.FAILED_PRECONDITION)
             self.committed_cursor, self.committed_step = cursor, step
         replica, replicas = self._asked.get(step, (0, 0))
         try:
@@ -164,15 +172,16 @@ class ElasticFeeder:
         self.close()
 
     # the stream
-    def _open(self, step: int, replica: int, replicas: int) -> None:
+    def _open(self, step: int, replica: int, replicas: int, cursor: bool = True) -> None:
         if self._client is not None:
             self._client.close()
             self.reopens += 1
         # shrink: the cursor after step - 1's commit, when this replica has it; a replica that sat
         # steps out (healing) or is new starts from the feeders' commit log instead.
+        held = self.committed_cursor if cursor else None
         cursor = None
         if self.global_batch == "shrink" and self.committed_step in (None, step - 1):
-            cursor = self.committed_cursor
+            cursor = held
         spec = dataclasses.replace(self._spec, rank=replica, world_size=replicas, first_step=step)
         self._client = FeederClient(ClientConfig(targets=self.targets, spec=spec, cursor=cursor, **self._client_kw))
         self._world, self._next, self._held = (replica, replicas), step, None
@@ -188,12 +197,13 @@ class ElasticFeeder:
                 except StopIteration:
                     self.finished = True
                     return got
-            if b.step < step:
-                continue   # (never: a stream starts at its first step)
-            if b.step > step:
-                if not got:
-                    raise FeederError(f"the feeder's stream went from step {step - 1} to {b.step}: step {step} is "
-                                      "missing", code=Code.INTERNAL)
+            if b.step != step and not got:
+                # A stream that does not start at the step asked was opened from a cursor of another
+                # step (shrink: ElasticFeeder(cursor=...) of an older checkpoint): its steps between
+                # would be dealt from a chain that is not the job's (outside review of issue 43).
+                raise FeederError(f"the stream for step {step} began at step {b.step}: the cursor it was opened from "
+                                  f"is after step {b.step - 1}, not {step - 1}", code=Code.FAILED_PRECONDITION)
+            if b.step != step:
                 self._held = b
                 return got
             got.append(b)

@@ -341,3 +341,121 @@ def test_an_empty_part_asked_again_is_still_empty(two_feeders):
     f.commit(0, False)
     assert f.step(0, 2, 3) == []
     f.close()
+
+
+# From the outside review of issue 43 (scripts in its report): each failed before its fix.
+
+
+def test_a_mixture_is_dealt_in_steps(dataset, tmp_path_factory, stream):
+    """F3: a mixture's runs were rebuilt without their step fields: every elastic stream of a
+    mixture failed at its first step."""
+    from feeder_client.elastic import ElasticFeeder
+
+    cache = tmp_path_factory.mktemp("elastic-mix")
+    with ServerThread(ServeConfig(sources=(("a", str(dataset)), ("b", str(dataset))), listen="127.0.0.1:0",
+                                  message_bytes=4096, cache_dir=str(cache))) as srv:
+        fs = [ElasticFeeder([srv.address], job="mix", seq_len=L, micro_batch=2, replicas=2,
+                            mixture=(("a", 0.5), ("b", 0.5)), connect_timeout_s=10, retry_for_s=20) for _ in range(3)]
+        seen = []
+        for step, world in enumerate([2, 3, 1, 2]):
+            parts = [fs[r].step(step, r, world) for r in range(world)]
+            got = [(int(s), int(i)) for p in parts for b in p for s, i in zip(b.sources, b.sample_ids)]
+            assert len(got) == 4 and {b.step_samples for p in parts for b in p} == {4}
+            for p in parts:
+                for b in p:
+                    for row, sid in zip(b.tokens.numpy(), b.sample_ids.tolist()):
+                        assert row.tolist() == stream[sid * L:sid * L + L + 1].tolist()
+            seen += got
+        assert len(set(seen)) == len(seen)   # (positions of one epoch: no (source, sample) twice)
+        for f in fs:
+            f.close()
+
+
+def test_a_healing_replica_and_the_end_of_the_data_commit_without_error(two_feeders):
+    """F1, F2: under shrink, commit() of a step this replica was not dealt (a healing torchft
+    group; the pass that finds the data finished) raised and killed the training loop."""
+    from feeder_client.elastic import ElasticFeeder, TorchftFeeder
+
+    class Healing:
+        def participating_rank(self):
+            return None
+
+        def current_step(self):
+            return 0
+
+        def num_participants(self):
+            return 2
+
+    f = ElasticFeeder([f"127.0.0.1:{two_feeders[0].port}"], job="heal-shrink", seq_len=L, micro_batch=2,
+                      replicas=2, global_batch="shrink", connect_timeout_s=10, retry_for_s=20)
+    data = TorchftFeeder(f, Healing())
+    assert data.batches() == []
+    data.commit(True)   # (no error: not dealt, nothing recorded)
+    step = 0
+    while True:   # (the docs' loop: the last pass gets [] and `finished`, and commits all the same)
+        got = f.step(step, 0, 1)
+        f.commit(step, True)
+        if f.finished:
+            break
+        assert got
+        step += 1
+    f.close()
+
+
+def test_a_shrink_cursor_of_another_step_is_not_dealt_from(two_feeders):
+    """F5: a replica restarted with the cursor after step 0 asked step 5: its stream began at
+    step 1 and the client dropped steps 1-4 silently, dealing step 5 from another chain. Now the
+    client notices, warns, and starts from the feeders' commit log: the chain's own step 5."""
+    from feeder_client.elastic import ElasticFeeder
+
+    t = [f"127.0.0.1:{two_feeders[0].port}"]
+    mk = lambda **kw: ElasticFeeder(t, job="stale-cursor", seq_len=L, micro_batch=2, replicas=2,  # noqa: E731
+                                    global_batch="shrink", connect_timeout_s=10, retry_for_s=20, **kw)
+    fs = [mk(), mk(), mk()]
+    after0 = None
+    for step, world in enumerate([2, 3, 3, 2, 2]):
+        for r in range(world):
+            fs[r].step(step, r, world)
+        for r in range(world):
+            fs[r].commit(step, True)
+        if step == 0:
+            after0 = fs[0].committed_cursor
+    for f in fs:
+        f.close()   # (their reports are in)
+    want = mk().step(5, 1, 2)
+    stale = mk(cursor=after0)
+    got = stale.step(5, 1, 2)
+    assert [b.sample_ids.tolist() for b in got] == [b.sample_ids.tolist() for b in want] and got
+    stale.close()
+
+
+def test_the_commit_log_after_a_rollback_waits_for_this_runs_commit(tmp_path):
+    """F4: the same job run again from a checkpoint commits its steps anew; a new replica asking
+    step 4 before the survivors' report of step 3 came was dealt from the run before's step 3."""
+    from feeder.domain.commits import CommitLog
+
+    log = CommitLog(str(tmp_path))
+    for step in range(5):   # the first run: steps 0-4
+        log.record("j", step=step, committed=True, replicas=2, replica=0, cursor=bytes([1, step]))
+    log.record("j", step=2, committed=True, replicas=3, replica=0, cursor=bytes([2, 2]))   # the run again, from 2
+    assert log.cursor_after("j", 3) is None          # this run's step 3 is not reported yet: wait
+    assert log.cursor_after("j", 2) == bytes([2, 2])
+    assert log.cursor_after("j", 1) == bytes([1, 1])   # (before the step it went back to: both runs' own)
+    log.record("j", step=3, committed=True, replicas=3, replica=0, cursor=bytes([2, 3]))
+    assert log.cursor_after("j", 3) == bytes([2, 3])
+    log.record("j", step=4, committed=False, replicas=3, replica=0, cursor=bytes([2, 4]))   # (not committed)
+    assert log.cursor_after("j", 4) is None
+
+
+def test_an_elastic_and_a_fixed_world_stream_of_one_job_are_refused_in_words(two_feeders):
+    """F8: the refusal said "running with world_size=0"."""
+    from feeder_client import FeederDataset
+
+    t = [f"127.0.0.1:{two_feeders[0].port}"]
+    a = _feeders(t, "constant", 1, "fixed-vs-elastic", num_epochs=0)[0]
+    a.step(0, 0, 3)
+    with pytest.raises(FeederError, match="running with live elasticity.*asks for a fixed world") as e:
+        next(iter(FeederDataset(t, job="fixed-vs-elastic", rank=0, world_size=3, seq_len=L, micro_batch=2,
+                                connect_timeout_s=10, retry_for_s=5)))
+    assert e.value.code == Code.FAILED_PRECONDITION
+    a.close()

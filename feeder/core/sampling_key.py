@@ -43,6 +43,11 @@ def job_key(spec: StreamSpec) -> tuple:
 def job_mismatch(job: str, running: tuple, asked: tuple) -> FailedPrecondition:
     """The refusal of a rank whose job key differs from the one its job runs with."""
     name, ours, theirs = next((n, a, b) for n, a, b in zip(JOB, running, asked) if a != b)
+    if name == "world_size" and 0 in (ours, theirs):   # (an elastic job's key has no world)
+        said = {True: "with live elasticity (global_batch)", False: "with a fixed world (no global_batch)"}
+        return FailedPrecondition(f"job {job!r} is running {said[ours == 0]}; this stream asks for "
+                                  f"{'live elasticity' if theirs == 0 else 'a fixed world'}. Every rank of a job "
+                                  "must agree.")
     hint = ""
     if name == "permutation":   # "": torch's, where every release draws the same (feeder.order.agreed)
         ours, theirs = ours or "torch", theirs or "torch"

@@ -282,8 +282,7 @@ class MixturePlan(PlanBase):
                     self.waiting = str(e)
                     yield PENDING
             self.waiting = ""
-            yield PlannedRun(epoch=run.epoch, base=run.base, world=run.world, start=run.start, step=run.step, ids=ids,
-                             stops=run.stops, samples_in_epoch=run.samples_in_epoch, sources=src, positions=run.ids)
+            yield dataclasses.replace(run, ids=ids, sources=src, positions=run.ids)   # (an elastic run's step fields too)
 
     def _fill(self, run: PlannedRun) -> tuple[np.ndarray, np.ndarray]:
         """(source, id within it) of each position of the run."""

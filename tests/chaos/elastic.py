@@ -168,10 +168,19 @@ class ElasticRun:
         self.later(h.heal_ms, self.restart, h.target, pid)
 
     def restart(self, t: int, pid: int) -> None:
+        """(On a timer: a restart that fails is the scenario's failure, not a thread's silent end.)"""
         f = self.feeders[t]
-        if f.proc.pid == pid:
-            f.wait_dead()
-            f.start()
+        if f.proc.pid != pid:
+            return
+        f.wait_dead()
+        for attempt in range(3):   # (its port may take a moment to be free again)
+            try:
+                f.start()
+                return
+            except RuntimeError as e:
+                why = e
+                time.sleep(0.5)
+        self.errors.append(f"feeder {t} did not come back after its {pid} was stopped: {why}")
 
     def later(self, ms: int, fn, *args) -> None:
         timer = threading.Timer(ms / 1000, fn, args)

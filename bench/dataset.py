@@ -14,7 +14,7 @@ def dataset(cfg: BenchConfig) -> dict:
     """A BPE tokenizer (vocab < 65536) trained offline on a real corpus, and the corpus
     prepared with it; reused by later runs."""
     from feeder.sources import manifest as mf
-    from feeder.core.config import PrepConfig
+    from feeder.core.tool_config import PrepConfig
     from feeder.ops.corpus import build_corpus
     from feeder.ops.prep import prep
 

@@ -13,7 +13,7 @@ EXIT_USER = 2
 
 
 def cmd_prep(args) -> int:
-    from feeder.core.config import PrepConfig
+    from feeder.core.tool_config import PrepConfig
     from feeder.ops.prep import prep
 
     cfg = PrepConfig(inputs=tuple(args.inputs), out=args.out, tokenizer=args.tokenizer, eos_token=args.eos_token,
@@ -26,7 +26,7 @@ def cmd_prep(args) -> int:
 
 
 def cmd_publish(args) -> int:
-    from feeder.core.config import PublishConfig
+    from feeder.core.tool_config import PublishConfig
     from feeder.ops.publish import publish
 
     cfg = PublishConfig(inputs=tuple(args.inputs), to=args.to, partitions=args.partitions, tokenizer=args.tokenizer,

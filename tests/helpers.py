@@ -34,7 +34,7 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 
 def prep_docs(root: Path, docs: list[str], **kw) -> Path:
     """`feeder prep` (byte tokenizer, one worker) of docs into root/shards."""
-    from feeder.core.config import PrepConfig
+    from feeder.core.tool_config import PrepConfig
     from feeder.ops.prep import prep
 
     prep(PrepConfig(inputs=(str(write_jsonl(root / "docs.jsonl", docs)),), out=str(root / "shards"), workers=1,

@@ -7,7 +7,7 @@ import grpc
 import psutil
 import pytest
 
-from feeder.core.config import PrepConfig
+from feeder.core.tool_config import PrepConfig
 from feeder.ops.prep import prep
 from feeder.ops.status import fetch
 from feeder.v1 import feeder_pb2 as pb

@@ -45,7 +45,6 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,6 +52,7 @@ from feeder.core import order
 from feeder.core.errors import FailedPrecondition, InvalidArgument
 from feeder.core.sampler import Early, OrderPending
 from feeder.domain import order_file
+from feeder.domain.order_build import Build
 from feeder.domain.order_file import TRAILER
 from feeder.domain.order_space import HOST, huge_pages_for, memory_backed, orders_directory, remove_orphans, shm_dir
 from feeder.sources import cache
@@ -71,38 +71,6 @@ EARLY_WAIT_S = 1.0      # how long the first to ask waits for them (see _early)
 WRITE_CHUNK = 64 << 20  # the huge-page build is written out and freed in parts this large
 
 
-@dataclass
-class Build:
-    """One order being built (or waited for, when another process builds it)."""
-    name: str
-    n: int
-    started: float = field(default_factory=time.monotonic)
-    progress: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))   # [done, stop]
-    here: bool = True           # built by this process (else waited for)
-    error: str = ""
-    failed_at: float = 0.0      # when it failed: tried again RETRY_S after that, not after its start
-    early: np.ndarray | None = None   # its first positions, once drawn (get(early=True))
-    early_started: float = 0.0        # when their drawing began (0: not yet)
-    early_done: threading.Event = field(default_factory=threading.Event)
-    early_progress: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))   # [done, stop]
-
-    def stop(self) -> None:
-        """Its loops, the whole's and the early part's, see the flag within milliseconds."""
-        self.progress[1] = self.early_progress[1] = 1
-
-    @property
-    def fraction(self) -> float:
-        return min(1.0, int(self.progress[0]) / max(self.n, 1))
-
-    def describe(self) -> str:
-        elapsed = time.monotonic() - self.started
-        f = self.fraction
-        eta = f" (about {elapsed * (1 - f) / f:.0f} s left)" if f > 0.02 and self.here else ""
-        who = "building" if self.here else "waiting for another process to build"
-        early = "" if self.early is None else f"; its first {len(self.early):,} positions served meanwhile"
-        return f"{who} the epoch's order of {self.n:,} samples ({self.name}): {f:.0%} after {elapsed:.0f} s{eta}{early}"
-
-
 class OrderStore:
     """Large torch orders for one feeder process (see the module doc)."""
 
@@ -112,10 +80,7 @@ class OrderStore:
         try:
             self.dir = orders_directory(cache_dir)
         except InvalidArgument as e:   # (not this user's, read-only): orders in a directory of the process's own
-            import tempfile
-
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            self.dir = tempfile.mkdtemp(prefix=f"feeder-orders-{os.getpid()}-", dir=base)
+            self.dir = str(cache.own_directory("orders"))
             self.unusable = (f"{e}; epoch orders are built in {self.dir}, this process's own, not shared: give "
                              "this user a writable --cache-dir with room")
             log.warning(self.unusable)

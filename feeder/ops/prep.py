@@ -23,7 +23,7 @@ import pyarrow as pa
 from feeder.sources import manifest as mf
 from feeder.sources.shards import ShardWriter
 from feeder.ops import tokenizer
-from feeder.core.config import PrepConfig
+from feeder.core.tool_config import PrepConfig
 from feeder.core.errors import InputError
 from feeder.core.progress import Progress
 

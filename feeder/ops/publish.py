@@ -11,7 +11,7 @@ import logging
 import numpy as np
 
 from feeder.ops import tokenizer
-from feeder.core.config import PublishConfig
+from feeder.core.tool_config import PublishConfig
 from feeder.core.errors import InvalidArgument, Unavailable
 from feeder.ops.prep import input_kind, tokenized
 from feeder.core.progress import Progress

@@ -24,6 +24,22 @@ _lock = threading.Lock()
 _damaged: dict[str, int] = {k: 0 for k in KINDS}
 
 
+_OWN: dict[str, Path] = {}
+
+
+def own_directory(kind: str) -> Path:
+    """A directory of this process's own for `kind` ("orders", "packing", "kafka"), in memory
+    (/dev/shm) where there is one: where what the cache directory cannot hold (read-only, full,
+    not this user's) is built instead, served but not shared (issue 44.2). Made on first use."""
+    got = _OWN.get(kind)
+    if got is None:
+        import tempfile
+
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        got = _OWN[kind] = Path(tempfile.mkdtemp(prefix=f"feeder-{kind}-{os.getpid()}-", dir=base))
+    return got
+
+
 def fsync(path: str | os.PathLike) -> None:
     """Flush a file, or a directory's entries, to stable storage."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))

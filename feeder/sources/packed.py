@@ -47,7 +47,6 @@ _building: dict[tuple[str, int, int], threading.Lock] = {}   # one build per (so
 # Why the cache directory could not hold a packing ("": it could), for `feeder status`; and the
 # process's own directory the packings are built in instead (made on first need).
 problem = ""
-_elsewhere: Path | None = None
 
 
 def directory(cache_dir: str = "") -> Path:
@@ -149,7 +148,7 @@ def packed(source, seq_len: int, ctx) -> PackedTable:
                 try:
                     build(source, seq_len, where, ctx)
                 except OSError as e:   # read-only, full, not this user's: built where this process can
-                    if where.parent == _elsewhere:
+                    if where.parent == cache.own_directory("packing"):
                         raise
                     where = _instead(ctx.cache_dir, e) / where.name
                     build(source, seq_len, where, ctx)
@@ -177,19 +176,15 @@ def _instead(cache_dir: str, e: OSError) -> Path:
     UNKNOWN until the rank gave up): this process builds its packings in a directory of its own
     (in memory, /dev/shm, where there is one), with a warning and `feeder status` saying what to
     fix. The data is sound, so the rank is served; only the sharing is lost."""
-    global problem, _elsewhere
-    import tempfile
-
-    if _elsewhere is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        _elsewhere = Path(tempfile.mkdtemp(prefix=f"feeder-packing-{os.getpid()}-", dir=base))
+    global problem
+    elsewhere = cache.own_directory("packing")
     why = (f"packings cannot be kept in {os.path.join(cache_dir, 'packing') if cache_dir else 'the user cache'} "
-           f"({type(e).__name__}: {e.strerror or e}); each feeder process packs in {_elsewhere} instead, not shared: "
+           f"({type(e).__name__}: {e.strerror or e}); each feeder process packs in {elsewhere} instead, not shared: "
            "give this user a writable --cache-dir with room")
     if why != problem:
         log.warning(why)
     problem = why
-    return _elsewhere
+    return elsewhere
 
 
 def _digest(arrays: dict) -> str:

@@ -39,19 +39,12 @@ READERS = 8   # partitions read at once while building a snapshot (each its own 
 PROGRESS_EVERY_S = 5.0
 
 
-# Why the spool could not hold a snapshot ("" while it could), for `feeder status`; and the
-# directory of this process's own they are read into instead (made on first need).
+# Why the spool could not hold a snapshot ("" while it could), for `feeder status`.
 problem = ""
-_OWN: list[Path] = []
 
 
 def _own_spool() -> Path:
-    if not _OWN:
-        import tempfile
-
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        _OWN.append(Path(tempfile.mkdtemp(prefix=f"feeder-kafka-{os.getpid()}-", dir=base)))
-    return _OWN[0]
+    return cache.own_directory("kafka")
 
 
 class Snapshots:

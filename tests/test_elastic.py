@@ -429,22 +429,20 @@ def test_a_shrink_cursor_of_another_step_is_not_dealt_from(two_feeders):
     stale.close()
 
 
-def test_the_commit_log_after_a_rollback_waits_for_this_runs_commit(tmp_path):
-    """F4: the same job run again from a checkpoint commits its steps anew; a new replica asking
-    step 4 before the survivors' report of step 3 came was dealt from the run before's step 3."""
+def test_the_commit_log_takes_a_steps_newest_commit_whatever_came_after(tmp_path):
+    """Soak seed 990455: a replica's report of step 33 came after the others' of step 34; a new
+    replica asking step 35 must be dealt from step 34's commit, not wait for a report that never
+    comes (a rule that took a later commit of an earlier step for a job gone back to a
+    checkpoint left it waiting 60 s)."""
     from feeder.domain.commits import CommitLog
 
     log = CommitLog(str(tmp_path))
-    for step in range(5):   # the first run: steps 0-4
-        log.record("j", step=step, committed=True, replicas=2, replica=0, cursor=bytes([1, step]))
-    log.record("j", step=2, committed=True, replicas=3, replica=0, cursor=bytes([2, 2]))   # the run again, from 2
-    assert log.cursor_after("j", 3) is None          # this run's step 3 is not reported yet: wait
-    assert log.cursor_after("j", 2) == bytes([2, 2])
-    assert log.cursor_after("j", 1) == bytes([1, 1])   # (before the step it went back to: both runs' own)
-    log.record("j", step=3, committed=True, replicas=3, replica=0, cursor=bytes([2, 3]))
-    assert log.cursor_after("j", 3) == bytes([2, 3])
-    log.record("j", step=4, committed=False, replicas=3, replica=0, cursor=bytes([2, 4]))   # (not committed)
-    assert log.cursor_after("j", 4) is None
+    for step, replica in ((33, 1), (33, 2), (34, 1), (34, 0), (33, 0)):
+        log.record("j", step=step, committed=True, replicas=3, replica=replica, cursor=bytes([step, replica]))
+    log.record("j", step=35, committed=False, replicas=3, replica=0, cursor=bytes([35, 0]))   # (not committed)
+    assert log.cursor_after("j", 34) == bytes([34, 0])
+    assert log.cursor_after("j", 33) == bytes([33, 0])
+    assert log.cursor_after("j", 35) is None
 
 
 def test_an_elastic_and_a_fixed_world_stream_of_one_job_are_refused_in_words(two_feeders):

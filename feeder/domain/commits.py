@@ -64,20 +64,16 @@ class CommitLog:
 
 
 def _find(data: bytes, job: str, step: int) -> bytes | None:
-    """The newest record of `step`'s commit, unless a commit of an earlier step was recorded after
-    it: then the job went back to a checkpoint (the same job name, run again from an earlier
-    step) and is committing its steps anew, and that record is of the run before, whose worlds
-    may have been others (outside review of issue 43: a new replica was dealt from it, silently,
-    before the survivors' report of the step came). None then too: the caller waits for it."""
+    """The newest record of `step`'s commit. (Not "none while an earlier step's commit was
+    recorded after it", which would tell a job gone back to a checkpoint from the run before: the
+    replicas' reports arrive out of order, a replica's slow report of step S-1 after the others'
+    of step S, and that rule left a new replica waiting for good: soak seed 990455. A job run
+    again from a checkpoint under its name passes its replicas the checkpoint's cursor.)"""
     for line in reversed(data.split(b"\n")):
         try:
             rec = json.loads(line)
-            if rec["job"] != job or not rec["committed"]:
-                continue
-            if rec["step"] == step:
+            if rec["job"] == job and rec["committed"] and rec["step"] == step:
                 return bytes.fromhex(rec["cursor"])
-            if rec["step"] < step:
-                return None
         except (ValueError, KeyError, TypeError):
             continue   # a torn line (a feeder killed mid-write) or the first, cut by the tail's start
     return None

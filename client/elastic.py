@@ -238,6 +238,11 @@ class ElasticFeeder:
                 return True
             except Exception as e:   # (grpc.RpcError, or a channel that cannot open) the next target
                 log.debug("commit report of step %d to %s: %s", req.committed_step, t, e)
+        # A fresh channel for the next try: one to a feeder that restarted waits out gRPC's
+        # reconnect backoff (seconds, growing), and a dying replica's last reports were lost so.
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
         return False
 
 

@@ -222,7 +222,10 @@ class ElasticRun:
                 elif h.kind == "churn" and victim is None:
                     victim = h
             if victim is not None:   # (chosen once the joins and leaves of this attempt are done)
-                victim = (self.rng.randrange(len(self.replicas)), victim) if self.replicas else None
+                # (shrink: the last replica's death loses where the job stands, as it would under
+                # torchft, whose quorum needs a survivor to heal from: a restart from a checkpoint)
+                last = len(self.replicas) < (2 if sc.policy == "shrink" else 1)
+                victim = None if last else (self.rng.randrange(len(self.replicas)), victim)
             world = len(self.replicas)
             if world == 0:   # the only replica died: nobody trains until its replacement is back
                 continue

@@ -236,7 +236,7 @@ def test_regression_soak_seed_330157_a_superseded_ranks_member_errors_are_writte
 # Live elasticity (issue 43): seeds of tests/chaos/elastic.py that together inject every kind
 # (replica churn inside a step, joins, leaves, aborted steps, feeder SIGKILL, SIGTERM, SIGSTOP),
 # both policies, one and two feeders; `python -m tests.chaos --elastic --seeds N` runs many.
-ELASTIC_COVERAGE = [101, 114, 118, 122]
+ELASTIC_COVERAGE = [114, 122, 123, 124, 144, 147]
 
 
 def test_elastic_coverage_seeds_cover_every_kind_and_policy():

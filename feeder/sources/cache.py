@@ -40,6 +40,16 @@ def own_directory(kind: str) -> Path:
     return got
 
 
+def cannot_keep(what: str, where, e: OSError, instead: str, said: str) -> str:
+    """The one line that says a kind of entry cannot be kept in the cache directory and what this
+    process does instead (issue 44.2), logged once while it stays the same (`said`: the last)."""
+    why = (f"{what} cannot be kept in {where} ({type(e).__name__}: {e.strerror or e}); each feeder process "
+           f"{instead} instead, not shared: give this user a writable --cache-dir with room")
+    if why != said:
+        log.warning(why)
+    return why
+
+
 def fsync(path: str | os.PathLike) -> None:
     """Flush a file, or a directory's entries, to stable storage."""
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))

@@ -178,12 +178,8 @@ def _instead(cache_dir: str, e: OSError) -> Path:
     fix. The data is sound, so the rank is served; only the sharing is lost."""
     global problem
     elsewhere = cache.own_directory("packing")
-    why = (f"packings cannot be kept in {os.path.join(cache_dir, 'packing') if cache_dir else 'the user cache'} "
-           f"({type(e).__name__}: {e.strerror or e}); each feeder process packs in {elsewhere} instead, not shared: "
-           "give this user a writable --cache-dir with room")
-    if why != problem:
-        log.warning(why)
-    problem = why
+    where = os.path.join(cache_dir, "packing") if cache_dir else "the user cache"
+    problem = cache.cannot_keep("packings", where, e, f"packs in {elsewhere}", problem)
     return elsewhere
 
 

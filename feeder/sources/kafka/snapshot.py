@@ -108,12 +108,7 @@ class Snapshots:
         """Issue 44.2: the data (the topic) is sound, so the rank is served from a snapshot in
         this process's own directory, with a warning and `feeder status` saying what to fix."""
         global problem
-        why = (f"Kafka snapshots cannot be kept in {self.spool} ({type(e).__name__}: {e.strerror or e}); each feeder "
-               f"process reads its epochs into {_own_spool()} instead, not shared: give this user a writable "
-               "--cache-dir (or spool) with room")
-        if why != problem:
-            log.warning(why)
-        problem = why
+        problem = cache.cannot_keep("Kafka snapshots", self.spool, e, f"reads its epochs into {_own_spool()}", problem)
         self.spool = _own_spool()
 
     def _damaged(self, snap: "SnapshotSource", why: str) -> None:

@@ -85,6 +85,17 @@ def judge(records, *, n: int, policy: str, seed: int) -> tuple[dict, list[str]]:
     return {"steps": len(steps), "samples": sum(seen.values()), "worlds": dict(worlds)}, bad
 
 
+def _last_errors(run_dir, died: list[dict]) -> str:
+    """The last line of each crashed group's output (a CI log shows no more than the assertion)."""
+    lines = []
+    for e in died:
+        for out in sorted(run_dir.glob(f"process*.{e['died']}.out")):
+            text = [ln for ln in out.read_text(errors="replace").splitlines() if ln.strip()]
+            if text:
+                lines.append(f"{out.name}: {text[-1][:500]}")
+    return "".join(f"\n  {ln}" for ln in lines)
+
+
 @pytest.mark.parametrize("policy", ["constant", "shrink"])
 def test_torchft_groups_killed_restarted_and_joined_with_a_feeder_failover(tmp_path, corpus, policy):
     from feeder.core.sampler import n_samples
@@ -112,7 +123,7 @@ def test_torchft_groups_killed_restarted_and_joined_with_a_feeder_failover(tmp_p
     finally:
         for f in feeders:
             f.stop()
-    where = f"logs in {tmp_path / 'run'}; events {run['events']}"
+    where = f"logs in {tmp_path / 'run'}; events {run['events']}{_last_errors(tmp_path / 'run', run['died'])}"
     assert not run["timed_out"] and not run["died"], where
     assert len(run["kills"]) >= 4, where
     assert any("join" in e for e in run["events"]) and any("hook" in e for e in run["events"]), where

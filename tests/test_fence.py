@@ -95,3 +95,23 @@ def test_a_younger_replacement_first_seen_reconnecting_takes_the_slot_from_an_ol
     assert a.superseded
     with pytest.raises(FailedPrecondition, match="replaced here"):
         _open(jobs, A, True)
+
+
+def test_regression_torchft_a_replica_index_is_not_a_process_so_elastic_streams_are_not_fenced():
+    """CI, tests/test_elastic_torchft.py: group A held replica 1 on feeder Y, group B then took
+    replica 1 there (the quorum changed), A got replica 1 back on feeder X, and when X was
+    killed A's continued stream reached Y, which counted A as replaced and refused it: A crashed.
+    An elastic job's replica index is handed round by the quorum; it names no process."""
+    def elastic(started, continued):
+        spec = StreamSpec(job="e", rank=1, world_size=3, seq_len=8, micro_batch=2, global_batch="constant",
+                          accumulation=2, start_replicas=3, client_started_ns=started, continued=continued)
+        s = _Stream()
+        s.spec = spec
+        jobs.attach(spec, s)
+        return s
+
+    jobs = Jobs()
+    elastic(A, False)
+    elastic(B, False)                           # another group is replica 1 now
+    elastic(A, True)                            # A's failover from the feeder it had replica 1 on again
+    elastic(B, True)                            # and an older process's continued stream too

@@ -264,6 +264,13 @@ def fence(job: Job, spec: StreamSpec) -> None:
         its first stream on the other process).
     0 (an older client) is neither fenced nor recorded. Across hosts the time order needs
     clocks that agree far better than a restart takes (NTP: milliseconds)."""
+    if spec.elastic:
+        # An elastic job's rank is a replica index of one step's world: torchft hands it to
+        # another group whenever the quorum changes, so it names no process. A group that held
+        # replica 1, lost it to another and got it back, then failed over to a feeder that saw
+        # only the middle of that, was refused here and crashed (CI, the torchft test). Which
+        # group trains a step is the quorum's to say; the commit log keeps it exact.
+        return
     t, slot = spec.client_started_ns, slot_of(spec)
     holder = job.holders.get(slot, 0)
     if not (spec.continued and t and holder) or t == holder:
@@ -322,7 +329,7 @@ def _slot_name(spec: StreamSpec) -> str:
 def hold(job: Job, slot: tuple, spec: StreamSpec) -> None:
     """Record an accepted stream's process as the slot's holder (see fence)."""
     t = spec.client_started_ns
-    if not t:
+    if not t or spec.elastic:
         return
     replaced = job.replaced.setdefault(slot, set())
     old = job.holders.get(slot, 0)

@@ -159,6 +159,9 @@ class StreamSpec:
     # open. Together they fence a replaced trainer off its replacement's rank (Jobs.attach).
     client_started_ns: int = 0
     continued: bool = False
+    # Not part of the samples either: a side stream, a second copy of batches the rank also reads
+    # from another feeder (a hedged read or a probe; docs/failure-model.md). It takes no slot.
+    hedge: bool = False
     # A mixture of named sources ((name, weight), in order; () = one dataset), the positions
     # of its epoch (0: the sources' samples summed, filled in by the feeder), and whether a
     # cursor of another mixture is re-dealt under this one (feeder.mixture).
@@ -211,7 +214,7 @@ class StreamSpec:
                                   f"got {self.epoch} + {self.num_epochs}")
         _mixture(self.mixture, self.dataset)
         _non_negative("epoch_samples", self.epoch_samples, upper=MAX_EPOCH_SAMPLES)
-        for flag in ("shuffle", "drop_last", "reshard", "continued", "remix", "boundaries"):
+        for flag in ("shuffle", "drop_last", "reshard", "continued", "hedge", "remix", "boundaries"):
             _flag(flag, getattr(self, flag))
         # "": the feeder chooses, and it may choose zstd at this level.
         _compression("compression", self.compression or "zstd", self.compression_level)

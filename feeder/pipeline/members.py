@@ -36,7 +36,7 @@ from feeder.sources import Plan
 log = logging.getLogger("feeder.stream")
 
 # The request's fields that make two members' streams the same stream (all but who sends it).
-NOT_SHARED = ("member", "client_started_ns", "continued")
+NOT_SHARED = ("member", "client_started_ns", "continued", "hedge")
 
 
 def share_key(spec: StreamSpec) -> tuple:

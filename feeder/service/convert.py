@@ -101,7 +101,7 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       worker_index=r.worker_index, num_workers=max(1, r.num_workers),
                       worker_phase=r.worker_phase, reshard=r.reshard,
                       expected_fingerprint=r.expected_fingerprint, dataset=r.dataset, bad_records=r.bad_records,
-                      client_started_ns=r.client_started_ns, continued=r.continued,
+                      client_started_ns=r.client_started_ns, continued=r.continued, hedge=r.hedge,
                       mixture=tuple((m.source, m.weight) for m in r.mixture), epoch_samples=r.epoch_samples,
                       remix=r.remix, permutation=r.permutation, packing=r.packing or "concat",
                       boundaries=r.boundaries, member=r.member, members=max(1, r.members), cp_rank=r.cp_rank,
@@ -112,7 +112,7 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
                    reshard: bool | None = None, failover: bool = False, rtt_s: float = 0.0,
                    client_started_ns: int | None = None, continued: bool | None = None,
-                   permutation: str | None = None) -> pb.StreamRequest:
+                   permutation: str | None = None, hedge: bool | None = None) -> pb.StreamRequest:
     """The StreamRequest of a spec: the inverse of spec_from_request (which also fills in the
     feeder's choices). worker_phase, reshard, client_started_ns and continued default to the spec's; rtt_s
     (inf: unknown) lets the feeder tell a remote rank; `permutation` names the client's torch
@@ -128,7 +128,7 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         dataset=s.dataset, failover=failover, bad_records=s.bad_records,
         rtt_us=min(int(rtt_s * 1e6), 2**32 - 1) if rtt_s != float("inf") else 0,
         client_started_ns=s.client_started_ns if client_started_ns is None else client_started_ns,
-        continued=s.continued if continued is None else continued,
+        continued=s.continued if continued is None else continued, hedge=s.hedge if hedge is None else hedge,
         mixture=[pb.MixtureSource(source=n, weight=w) for n, w in s.mixture], epoch_samples=s.epoch_samples,
         remix=s.remix, permutation=s.permutation if permutation is None else permutation,
         packing="" if s.packing == "concat" else s.packing, boundaries=s.boundaries, member=s.member,

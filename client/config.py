@@ -83,6 +83,18 @@ class ClientConfig:
     # buffers and messages otherwise come from fresh pages, faulted in one by one (~30 % of
     # the client's CPU per byte). Process-wide; False leaves malloc as it is.
     keep_freed_memory: bool = True
+    # Slow, not dead (docs/guarantees.md): move off a feeder that delivers less than the loop
+    # takes when the loop waited for data more than `slow_wait` of the last `slow_window_s`
+    # while this client was waiting on that feeder (0: move only on errors and silence). A
+    # target left so is held off `slow_hold_s` (doubling on a relapse, up to 40 s or this if
+    # more), then taken back only after a probe shows it delivers 1.5x what the loop takes.
+    slow_wait: float = 0.05
+    slow_window_s: float = 3.0
+    slow_hold_s: float = 15.0
+    # Hedged reads: while the read-ahead is below half its size, read the next batches from the
+    # best other target too, and take whichever copy arrives first (the other is dropped by its
+    # place in the stream; the bytes are counted in hedged_bytes). Costs bandwidth, saves waits.
+    hedge: bool = False
 
     def __post_init__(self):
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
@@ -95,6 +107,16 @@ class ClientConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise FeederError(f"{name} must be a positive number of seconds, got {v!r}",
                                   code=Code.INVALID_ARGUMENT)
+        if isinstance(self.slow_wait, bool) or not isinstance(self.slow_wait, (int, float)) \
+                or not 0 <= self.slow_wait < 1:
+            raise FeederError(f"slow_wait must be a fraction of step time in [0, 1) (0: never move for slowness), "
+                              f"got {self.slow_wait!r}", code=Code.INVALID_ARGUMENT)
+        for name in ("slow_window_s", "slow_hold_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise FeederError(f"{name} must be a positive number of seconds, got {v!r}", code=Code.INVALID_ARGUMENT)
+        if not isinstance(self.hedge, bool):
+            raise FeederError(f"hedge must be True or False, got {self.hedge!r}", code=Code.INVALID_ARGUMENT)
         if self.prefer not in ("rtt", "order"):
             raise FeederError(f"prefer must be 'rtt' or 'order', got {self.prefer!r}", code=Code.INVALID_ARGUMENT)
         if self.regions and len(self.regions) != len(self.targets):

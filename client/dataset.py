@@ -64,8 +64,9 @@ class FeederDataset(IterableDataset):
             concatenated.
         cursor: a saved `batch.cursor` or `state_dict()["cursor"]`: resume right after that
             batch (None: from `epoch`'s start). Opaque bytes, bound to the stream's values.
-        read_ahead .. keep_freed_memory, connect_timeout_s: how the stream is carried
-            (ClientConfig: read-ahead, timeouts, retry budget, failback, pinning, malloc).
+        read_ahead .. keep_freed_memory, connect_timeout_s, slow_wait .. hedge: how the stream
+            is carried (ClientConfig: read-ahead, timeouts, retry budget, failback, pinning,
+            malloc, moving off a slow feeder, hedged reads).
         tls_ca, tls_cert, tls_key, token, token_file, tls_server_name: the ClientSecurity
             (TLS, mutual TLS, the job's bearer token).
 
@@ -91,7 +92,8 @@ class FeederDataset(IterableDataset):
                  keep_freed_memory: bool = True, mixture: Mapping[str, float] | Sequence | None = None,
                  epoch_samples: int = 0, remix: bool = False, permutation: str = "torch",
                  connect_timeout_s: float = 30.0, boundaries: bool = False, packing: str = "concat",
-                 member: int = 0, members: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_layout: str = "zigzag"):
+                 member: int = 0, members: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_layout: str = "zigzag",
+                 slow_wait: float = 0.05, slow_window_s: float = 3.0, slow_hold_s: float = 15.0, hedge: bool = False):
         # Mesh arithmetic gives numpy or torch integers: taken as the ints they are (a float or a
         # bool is still refused by StreamSpec, saying what was expected).
         rank, world_size, seq_len, micro_batch, member, members, cp_rank, cp_size = (
@@ -122,7 +124,8 @@ class FeederDataset(IterableDataset):
                               report_every_s=report_every_s, security=security,
                               regions=regions, prefer=prefer, max_read_ahead=max_read_ahead,
                               failback_s=failback_s, pin_memory=pin_memory,
-                              keep_freed_memory=keep_freed_memory)
+                              keep_freed_memory=keep_freed_memory, slow_wait=slow_wait, slow_window_s=slow_window_s,
+                              slow_hold_s=slow_hold_s, hedge=hedge)
         ClientConfig(targets=self.targets, spec=self.spec, **self.transport)  # validate now, not in a worker
         self.client: FeederClient | None = None
         # Where load_state_dict leaves the cursor for DataLoader workers: a persistent worker

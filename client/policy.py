@@ -124,6 +124,11 @@ class Policy:
         self.failbacks = 0
         self.failback: int | None = None           # index of the nearer target to move back to
         self.failback_checked = now
+        # Moves the client made on its own (docs/guarantees.md, "slow, not dead"): why the next
+        # (self.moving) and the last (self.last_move: slow, stuck, failback, error) were made.
+        self.moving = ""
+        self.last_move = ""
+        self.moves = 0
 
     @property
     def target(self) -> str:
@@ -151,10 +156,25 @@ class Policy:
         return Finish()
 
     def failback_ended(self) -> Retry:
-        """The stream was ended by us (failback_probe_answered) to move back to a nearer target."""
+        """The stream was ended by us (failback_probe_answered, or move) to move to another target."""
         self.index, self.failback = self.failback, None
-        self.failbacks += 1
+        if self.moving:
+            self.moves += 1
+            self.last_move, self.moving = self.moving, ""
+        else:
+            self.failbacks += 1
+            self.last_move = "failback"
         return Retry(self.target)
+
+    def move(self, i: int, why: str) -> bool:
+        """Move to target i (the caller then ends the current stream, which resumes there from
+        the cursor, as after a break but without counting as one): the feeder serving the rank
+        is slow or stuck, or a slow target passed its probe ("failback"). False when a move or
+        a failback is already under way."""
+        if self.failback is not None:
+            return False
+        self.failback, self.moving = i, why
+        return True
 
     def refuse(self, message: str, code: Code) -> Retry | GiveUp:
         """The current target cannot serve this rank, now or later (another replica, dataset
@@ -213,6 +233,7 @@ class Policy:
         self.index += 1
         self._skip_refused()
         self.failovers += 1
+        self.last_move = "error"
         self.after_break = True
         self.attempt += 1
         wait = 0.0

@@ -24,6 +24,7 @@ import torch
 
 from .config import PLAIN, ClientConfig, process_started_ns
 from .decode import DTYPES, FeederBatch, decode, pinned
+from .gray import Gray
 from .handoff import END as _END
 from .handoff import Handoff
 from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, other_region, rtt_step
@@ -68,6 +69,19 @@ class Incomplete(Exception):
 
 # A feeder building an epoch's order tells the rank every ~2 s; the rank's log says so this often.
 WAITING_LOG_S = 30.0
+
+# Cursors of the batches handed over lately, kept to check a later copy of one against.
+RECENT = 1024
+
+
+class _Reader:
+    """One stream's place: its target, the number of its next batch, and (a hedge or a probe)
+    its side stream."""
+    __slots__ = ("target", "next", "side")
+
+    def __init__(self, target: str, first: int, side=None):
+        self.target, self.next, self.side = target, first, side
+
 
 class FeederClient:
     """One rank's stream of batches (FeederBatch), in order, each once, across failovers.
@@ -124,6 +138,13 @@ class FeederClient:
         self._taken = 0
         self.wait_s = 0.0                 # time the consumer spent waiting in __next__
         self._q = Handoff(cfg.read_ahead)
+        # Batches are numbered in the order the loop takes them (self._seq: the next one's). Each
+        # stream knows the number of its next batch, so of two streams read from the same cursor
+        # (a hedge, a probe) the first copy of a batch is handed over and the other dropped.
+        self._gate = threading.Lock()     # self._seq, self.cursor and the queue's order, together
+        self._seq = 0
+        self._handed = 0                  # batches the primary stream handed over (the rest came from side streams)
+        self._recent: dict[int, bytes] = {}   # number -> cursor of the last RECENT batches handed over
         # Without CUDA, numpy's allocator: a pool of reused arrays was measured here and was no
         # faster (its freed blocks are reused already).
         self._alloc = pinned if (torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory) else None
@@ -145,6 +166,7 @@ class FeederClient:
         self._position: tuple[int, int] | None = None   # (epoch, step) of the last batch taken
         self._stub = None
         self._report_lock = threading.Lock()
+        self.gray = Gray(self)             # moves off a slow feeder, probes, hedged reads
         self._thread = threading.Thread(target=self._run, name=f"feeder-client-r{cfg.spec.rank}", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="feeder-client-watchdog", daemon=True)
         self._closed = False
@@ -167,8 +189,10 @@ class FeederClient:
                 `retry_for_s` without a batch.
         """
         t0 = time.monotonic()
+        self.gray.delivery.wait_began(t0)
         item = self._q.get()
         t1 = time.monotonic()
+        self.gray.delivery.took(t1)
         self.wait_s += t1 - t0
         if self._last_next is not None:
             step = t1 - self._last_next
@@ -245,6 +269,7 @@ class FeederClient:
         _open_clients.discard(self)
         self._stop.set()
         self._wake.set()
+        self.gray._stop_side()
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
@@ -261,25 +286,58 @@ class FeederClient:
             pass
 
     # reader side
-    def _request(self, target: str) -> pb.StreamRequest:
+    def _request(self, target: str, hedge: bool = False) -> pb.StreamRequest:
+        """The request that continues the stream after the last batch queued (hold self._gate)."""
         return stream_request(self.cfg.spec, self.cursor, worker_phase=self._phase,
                               reshard=self.cfg.spec.reshard and self.cursor == self.cfg.cursor,
-                              failover=self.policy.after_break, rtt_s=self.rtt_s.get(target, 0.0),
-                              client_started_ns=self._started_ns, continued=self._opened,
-                              permutation=self._permutation)
+                              failover=self.policy.after_break and not hedge, rtt_s=self.rtt_s.get(target, 0.0),
+                              client_started_ns=self._started_ns, continued=self._opened or hedge,
+                              permutation=self._permutation, hedge=hedge)
+
+    @staticmethod
+    def reader(target: str, first: int, side=None) -> "_Reader":
+        return _Reader(target, first, side)
 
     def _put(self, item) -> bool:
         return self._q.put_many([item], self._stop)
 
-    def _hand(self, batches: list) -> bool:
-        """Queue decoded batches; the stream resumes after the last one queued, and a worker's
-        stream with the batch after its own in the round-robin."""
-        if not self._q.put_many(batches, self._stop):
-            return False
-        self.cursor = batches[-1].cursor
+    def _hand(self, run: list, reader: "_Reader") -> bool:
+        """Queue a stream's decoded batches (numbered, in order) but those another stream handed
+        over first; the stream resumes after the last one queued, and a worker's stream with
+        the batch after its own in the round-robin."""
+        with self._gate:
+            fresh = [b for k, b in run if k >= self._seq]
+            if not fresh:
+                return True
+            if run[-len(fresh)][0] != self._seq:   # a stream never skips a batch: a bug, said plainly
+                raise FeederError(f"stream from {reader.target} handed batch {run[-len(fresh)][0]} when "
+                                  f"{self._seq} was next", code=Code.INTERNAL)
+            if not self._q.put_many(fresh, self._stop):
+                return False
+            for k, b in run[-len(fresh):]:
+                self._recent[k] = b.cursor
+                self._recent.pop(k - RECENT, None)
+            self._seq += len(fresh)
+            self.cursor = fresh[-1].cursor
+        if reader.side is None:
+            self._handed += len(fresh)
+        else:
+            reader.side.handed += len(fresh)
+        self.gray.delivery.arrived(time.monotonic(), len(fresh))
         s = self.cfg.spec
         self._phase = (s.worker_index + 1) % s.num_workers
         return True
+
+    def _copy(self, k: int, b, reader: "_Reader") -> None:
+        """Batch k arrived again (another stream handed it over first): dropped, counted, and
+        its cursor checked against the one handed over (same cursor, same batch, any feeder)."""
+        self.gray.hedged_bytes += len(b.tokens) + len(b.sample_ids)
+        if reader.side is not None:
+            reader.side.dropped_bytes += len(b.tokens)
+        want = self._recent.get(k)
+        if want is not None and want != b.cursor:
+            raise FeederError(f"batch {k} from {reader.target} is not the batch handed over under that number (its "
+                              "cursor differs): feeders disagree about this stream", code=Code.INTERNAL)
 
     def _order_targets(self) -> None:
         """Nearest first: every target's RTT measured at once (unreachable ones go last). The
@@ -366,12 +424,19 @@ class FeederClient:
         """Read one stream into the queue: Finish at its complete end, None on close(); raises
         grpc.RpcError, Incomplete or FeederError (a corrupt batch) when it breaks."""
         stub = self._stub = self.transport.stub(target)
-        call = self.transport.open(stub, self._request(target))
+        with self._gate:
+            request, reader = self._request(target), self.reader(target, self._seq)
+        call = self.transport.open(stub, request)
         with self._lock:
             self._call, self._idle_cancelled = call, False
+        if self.policy.failback is not None:   # a move decided while this stream opened
+            call.cancel()
+        delivery = self.gray.delivery
+        delivery.opened(time.monotonic())
         got_any = False
         while True:
             self._waiting_since = time.monotonic()
+            delivery.net_began(self._waiting_since)
             try:
                 reply = next(call)
             except StopIteration:
@@ -382,6 +447,7 @@ class FeederClient:
                 raise Incomplete() from None
             finally:
                 self._waiting_since = None
+                delivery.net_ended(time.monotonic())
             self._opened = True
             self._answered.add(target)
             wrong = other_region(self._named.get(target, ""), reply.region, self.cfg.regions)
@@ -393,9 +459,10 @@ class FeederClient:
                 self.region = reply.region
             if reply.waiting and not reply.batches:   # the feeder prepares or builds what the stream needs
                 self._told_waiting(target, reply.waiting)
+                delivery.preparing(time.monotonic())
                 continue
             self.waiting = ""
-            if not self._hand_reply(reply):
+            if not self._hand_reply(reply, reader):
                 return None
             if not got_any:
                 got_any = True
@@ -411,9 +478,10 @@ class FeederClient:
         self.waiting = why
         self.waited += 1
 
-    def _hand_reply(self, reply: pb.StreamReply) -> bool:
-        """Decode a reply's batches in runs of up to half the read-ahead, each handed over at once.
-        False on close(); a corrupt batch raises FeederError after the good ones before it."""
+    def _hand_reply(self, reply: pb.StreamReply, reader: "_Reader") -> bool:
+        """Decode a reply's batches in runs of up to half the read-ahead, each handed over at once
+        (a batch another stream handed over first is dropped undecoded). False on close(); a
+        corrupt batch raises FeederError after the good ones before it."""
         run, size = [], max(1, self._q.capacity // 2)
         try:
             sources = reply.sources   # a mixture's: one entry per batch
@@ -430,26 +498,32 @@ class FeederClient:
                                   "of an elastic stream (a feeder release without live elasticity?)",
                                   code=Code.FAILED_PRECONDITION)
             for j, b in enumerate(reply.batches):
-                run.append(decode(b, reply.region, self._alloc, sources[j] if sources else None,
-                                  bounds[j] if bounds else None, cp, steps[j] if steps else None))
+                k = reader.next
+                reader.next += 1
+                if k < self._seq:   # (it only grows: a stale read errs toward decoding a copy)
+                    self._copy(k, b, reader)
+                    continue
+                run.append((k, decode(b, reply.region, self._alloc, sources[j] if sources else None,
+                                      bounds[j] if bounds else None, cp, steps[j] if steps else None)))
                 if len(run) >= size:
-                    if not self._hand(run):
+                    if not self._hand(run, reader):
                         return False
                     run = []
         finally:  # the good batches before a corrupt one are still delivered
-            if run and not self._hand(run):
+            if run and not self._hand(run, reader):
                 return False
         return True
 
     def _watch(self) -> None:
         """Abandons a silent feeder, and reports data-wait to the feeder feeding us."""
         while not self._stop.is_set():
-            self._wake.wait(min(1.0, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s))
+            self._wake.wait(min(0.25, self.cfg.idle_timeout_s / 4, self.cfg.report_every_s))
             self._wake.clear()
             if self._stop.is_set():
                 return
             if self._stub is not None:
                 self._maybe_report(self._stub)
+            self.gray.tick()
             self._maybe_fail_back()
             since = self._waiting_since
             if since is not None and time.monotonic() - since > self.cfg.idle_timeout_s:
@@ -463,6 +537,8 @@ class FeederClient:
         health check, end the current stream so the reader reopens there from the cursor."""
         current = self.policy.index % len(self.targets)
         for i in self.policy.failback_due(time.monotonic()):
+            if self.targets[i] in self.gray.delivery.holds:   # left for slowness: back only after a probe (gray)
+                continue
             if self.transport.rtt(self.targets[i], probes=2, timeout=2.0) != float("inf"):
                 with self._lock:
                     if self._call is not None and self.policy.failback_probe_answered(i, current):
@@ -480,6 +556,10 @@ class FeederClient:
             self._report = [0.0, 0.0, 0, time.monotonic()]
             self._report_due = False
             pos = self._reported_position = self._position
+        f = self.gray.delivery.figures(time.monotonic())
         self.transport.report(stub, pb.ReportRequest(
             job=self.cfg.spec.job, rank=self.cfg.spec.rank, wait_s=wait, step_s=step, batches=n,
-            has_position=pos is not None, epoch=pos[0] if pos else 0, step=pos[1] if pos else 0))
+            has_position=pos is not None, epoch=pos[0] if pos else 0, step=pos[1] if pos else 0,
+            target=self.target, moved=self.policy.last_move, moves=self.policy.moves + self.policy.failovers + self.policy.failbacks,
+            delivered_per_s=f["delivered_per_s"], consumed_per_s=f["consumed_per_s"],
+            hedged_bytes=self.gray.hedged_bytes))

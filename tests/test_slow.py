@@ -1,0 +1,133 @@
+"""Slow, not dead (issue 45, docs/guarantees.md): a rank moves off, or hedges around, a feeder
+that still answers but delivers less than the rank consumes, through real Toxiproxy links
+(bandwidth and latency toxics) to real `feeder serve` processes; its ids stay exact against
+torch's DistributedSampler throughout."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs
+from tests.test_wan import FEEDER_FLAGS, check_prefix
+
+pytestmark = pytest.mark.fault
+
+STEP_S = 0.02     # the loop "trains" this long on each batch
+SEQ, MB = 2048, 8
+
+
+@pytest.fixture(scope="module")
+def slow_docs():
+    return make_docs(2500, seed=45, max_words=150)
+
+
+@pytest.fixture(scope="module")
+def slow_dataset(tmp_path_factory, slow_docs):
+    return prep_docs(tmp_path_factory.mktemp("slow"), slow_docs, shard_tokens=400_000, chunk_tokens=100_000)
+
+
+@pytest.fixture(scope="module")
+def proxies():
+    from tests.wanproxy import start_proxies
+    p = start_proxies()
+    yield p
+    p.close()
+
+
+def batch_bytes(b) -> int:
+    return b.tokens.numel() * b.tokens.element_size()
+
+
+class Loop:
+    """A training loop on its own thread: takes a batch, trains STEP_S, records (time taken,
+    time waited, region); stop() ends it."""
+
+    def __init__(self, ds):
+        self.ds, self.got, self.log = ds, [], []
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            it = iter(self.ds)
+            while not self._stop.is_set():
+                a = time.monotonic()
+                b = next(it)
+                now = time.monotonic()
+                self.got.append(b)
+                self.log.append((now - self.t0, now - a, b.region))
+                time.sleep(STEP_S)
+        except BaseException as e:   # surfaces in the test
+            self.error = e
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(30)
+        assert self.error is None, repr(self.error)
+
+    def wait_fraction(self, since_s: float, until_s: float = float("inf")) -> float:
+        rows = [(t, w) for t, w, _ in self.log if since_s <= t < until_s]
+        if len(rows) < 2:
+            return 1.0
+        return sum(w for _, w in rows) / (rows[-1][0] - rows[0][0] + STEP_S)
+
+    def region_now(self) -> str:
+        return self.log[-1][2] if self.log else ""
+
+
+def wait_until(cond, limit_s: float, what: str):
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_heals(slow_dataset, slow_docs,
+                                                                                        proxies):
+    from feeder_client import FeederDataset
+
+    stream = byte_stream(slow_docs)
+    feeders = [FeederProc(slow_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r])
+               for r in ("a", "b")]
+    links = [proxies.proxy(f.address) for f in feeders]
+    try:
+        ds = FeederDataset({"a": links[0].listen, "b": links[1].listen}, job="slow-move", rank=1, world_size=2,
+                           seq_len=SEQ, micro_batch=MB, seed=11, num_epochs=0, prefer="order", compression="none")
+        per_batch = MB * (SEQ + 1) * 2          # uint16 tokens
+        demand = per_batch / STEP_S             # bytes per second the loop takes
+        links[0].bandwidth(int(demand / 4 / 1024))   # a quarter of it
+        loop = Loop(ds)
+        wait_until(lambda: loop.region_now() == "b", 20, "the rank never left the slow feeder")
+        left_at = loop.log[-1][0]
+        time.sleep(6)
+        links[0].clear()                        # the link heals
+        healed_at = time.monotonic() - loop.t0
+        wait_until(lambda: loop.region_now() == "a", 60, "the rank did not come back within a minute")
+        back_at = loop.log[-1][0]
+        # two healthy feeders of different round trips: the rank stays where it is
+        links[0].latency(30)
+        client = ds.client
+        moves_before = client.policy.moves + client.failovers + client.failbacks
+        time.sleep(6)
+        moves_after = client.policy.moves + client.failovers + client.failbacks
+        loop.stop()
+        wait_after = loop.wait_fraction(left_at + 0.5)
+        print(f"left the slow feeder at {left_at:.1f} s, healed at {healed_at:.1f} s, back at {back_at:.1f} s; "
+              f"data-wait before leaving {100 * loop.wait_fraction(0, left_at):.0f}%, after "
+              f"{100 * wait_after:.2f}%, whole run {100 * loop.wait_fraction(0):.1f}%; "
+              f"{len(loop.got)} batches, moves {client.policy.moves}, hedged {client.gray.hedged_bytes} bytes")
+        assert left_at < 8, "the rank took too long to leave a feeder at a quarter of its demand"
+        assert wait_after <= 0.02
+        assert back_at - healed_at < 60
+        assert moves_after == moves_before, "a rank moved between two healthy feeders"
+        assert client.policy.last_move == "failback"
+        check_prefix(loop.got, stream, SEQ, 1, 2, 11)
+        ds.close() if hasattr(ds, "close") else None
+    finally:
+        for f in feeders:
+            f.stop()

@@ -120,6 +120,11 @@ class Delivery:
             self.prepared_at = now
 
     # the watchdog
+    def waiting_for(self, now: float) -> float:
+        """How long the loop has been waiting for its next batch (0: it is not waiting)."""
+        since = self._wait.open_since
+        return 0.0 if since is None else now - since
+
     def figures(self, now: float) -> dict:
         """The window's data-wait and network-wait fractions, batches per second taken by the
         loop and delivered to it, and the loop's own rate (batches per second of its time not

@@ -60,6 +60,7 @@ class Side:
     dropped_bytes: int = 0
     error: str = ""
     done: bool = False
+    promoted: int | None = None    # the primary's batches handed over when the rank moved to this target
 
     def rate(self) -> tuple[float, int]:
         """Batches per second after its first reply (the feeder's start and the first burst
@@ -93,6 +94,12 @@ class Gray:
 
     # the primary stream's accounting (FeederClient.__next__, _read)
     def tick(self) -> None:
+        try:
+            self._tick()
+        except Exception as e:   # the watchdog also ends silent streams: it must go on
+            log.error("rank %d: judging the feed failed: %r", self.c.cfg.spec.rank, e)
+
+    def _tick(self) -> None:
         c, now = self.c, time.monotonic()
         if c._closed or c.policy.failback is not None:
             return
@@ -208,15 +215,21 @@ class Gray:
     def _hedge(self, now: float) -> None:
         c = self.c
         floor = max(1, c._q.capacity // 2)
-        low = c._q.qsize() < floor and now - self.delivery.opened_at > 1.0
+        low = len(c._q) < floor
         self._low_ticks = self._low_ticks + 1 if low else 0
         side = self.side
         if side is None:
-            if self._low_ticks >= 2:
+            # below the floor for two ticks, or the loop waiting already (a stream that starts slow)
+            if self._low_ticks >= 2 or (low and self.delivery.waiting_for(now) > 0.1):
                 to = self._best(exclude={c.policy.target}, now=now)
                 if to is not None:
                     self.hedges += 1
                     self._start_side(to, "hedge", now)
+            return
+        if side.promoted is not None:
+            # the rank moved to the hedge's target: the hedge covers the new stream's start
+            if c.policy.target != side.target or c._handed > side.promoted:
+                self._stop_side()
             return
         primary = c._handed - side.primary_before
         if side.handed >= HEDGE_MIN_BATCHES and side.handed > 2 * primary:
@@ -224,7 +237,7 @@ class Gray:
             self.delivery.leave(c.policy.target, now)
             log.warning("rank %d: hedged reads from %s came first %d times to %d; moving there from %s",
                         c.cfg.spec.rank, side.target, side.handed, primary, c.policy.target)
-            self._stop_side()
+            side.promoted = c._handed
             self._move(side.target, "slow")
             return
         # the read-ahead stayed full a whole window: the primary keeps up on its own again

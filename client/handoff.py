@@ -55,6 +55,9 @@ class Handoff:
                 self.cv.notify_all()
             return item
 
+    def __len__(self) -> int:
+        return len(self.items)
+
     def resize(self, capacity: int) -> None:
         with self.cv:
             self.capacity = capacity

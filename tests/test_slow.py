@@ -131,3 +131,48 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
     finally:
         for f in feeders:
             f.stop()
+
+
+def test_hedged_reads_keep_8_ranks_fed_past_a_slow_feeder_and_no_sample_is_delivered_twice(slow_dataset, slow_docs,
+                                                                                          proxies, tmp_path):
+    from feeder.ops.audit import audit
+    from feeder_client import FeederDataset
+
+    stream = byte_stream(slow_docs)
+    world, seed = 8, 12
+    EPOCHS = 40     # of ~10 batches per rank: some 8 s of training
+    ledgers = [tmp_path / f"ledger-{r}.jsonl" for r in ("a", "b")]
+    feeders = [FeederProc(slow_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r,
+                                               "--ledger", str(led)]) for r, led in zip(("a", "b"), ledgers)]
+    links = [proxies.proxy(f.address) for f in feeders]
+    per_batch = MB * (SEQ + 1) * 2
+    links[0].bandwidth(int(per_batch / STEP_S / 4 / 1024))   # a quarter of one rank's demand, for all 8
+    try:
+        dss = [FeederDataset({"a": links[0].listen, "b": links[1].listen}, job="slow-hedge", rank=r,
+                             world_size=world, seq_len=SEQ, micro_batch=MB, seed=seed, num_epochs=EPOCHS,
+                             prefer="order", compression="none", hedge=True, report_every_s=1)
+               for r in range(world)]
+        loops = [Loop(ds) for ds in dss]
+        for lp in loops:
+            lp.thread.join(120)
+            assert not lp.thread.is_alive(), "a rank did not finish its epoch"
+        errors = [lp.error for lp in loops if lp.error is not None and not isinstance(lp.error, StopIteration)]
+        assert not errors, errors
+        # after the first 2 s: the streams' start (8 ranks opening on the slow feeder, then their
+        # hedges on the other, on 2 cores) costs some 0.2 s once
+        waits = [lp.wait_fraction(2.0) for lp in loops]
+        hedged = [ds.client.gray.hedged_bytes for ds in dss]
+        print(f"8 ranks, hedge=True, one feeder at a quarter of one rank's demand: data-wait after 2 s per rank "
+              f"{', '.join(f'{100 * w:.2f}%' for w in waits)}; hedged bytes {sum(hedged)} "
+              f"({sum(hedged) / max(1, sum(per_batch * len(lp.got) for lp in loops)):.1%} of the bytes used); "
+              f"hedges {[ds.client.gray.hedges for ds in dss]}, moves {[ds.client.policy.moves for ds in dss]}")
+        for r, lp in enumerate(loops):
+            check_prefix(lp.got, stream, SEQ, r, world, seed)
+        assert max(waits) <= 0.01, waits
+        assert sum(hedged) > 0
+        # the feeders' ledgers: every sample of the epoch once, the hedged copies counted apart
+        verdict = audit([str(p) for p in ledgers], job="slow-hedge")
+        assert verdict and all(v["exactly_once"] for v in verdict), verdict
+    finally:
+        for f in feeders:
+            f.stop()

@@ -152,7 +152,8 @@ def rank_main(cfg: dict, conn) -> None:
                                  report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None,
                                  permutation=cfg.get("permutation", "torch"),
                                  epoch_samples=cfg.get("epoch_samples", 0), packing=cfg.get("packing", "concat"),
-                                 **kw)
+                                 # slow, not dead (issue 45), at the scale of a scenario's seconds
+                                 hedge=cfg.get("hedge", False), slow_window_s=1.0, slow_hold_s=2.0, **kw)
 
         members = cfg.get("members", 1)
         ds = make(**(dict(member=0, members=members) if members > 1 else {}))

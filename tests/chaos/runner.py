@@ -29,10 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from feeder.core.net import free_port
+from tests.chaos.freeze import freeze, thaw
 from tests.chaos.scenario import FEEDER_FAULTS, Fault, Scenario
 from tests.helpers import byte_stream, make_docs, packed_bins, prep_docs
 
 SCENARIO_BUDGET_S = 240.0    # a scenario still running after this is a hang: a failure (generous: soaks run many at once on 2 cores)
+SLOW_KBPS = 2                # a `slow` feeder's link: a trickle, far below what any rank takes
 RANK_RETRY_FOR_S = 90.0      # a rank with nowhere to go for this long raises UNAVAILABLE (a restart under heavy load can take tens of seconds)
 
 
@@ -431,6 +433,7 @@ class ScenarioRun:
         self.reshard = next((f for f in sc.faults if f.kind == "reshard"), None)
         self.phase = 1
         self.stopped: dict[int, int] = {}   # feeder index -> stopped pid
+        self.frozen: set[int] = set()       # those stopped by freeze() (stuck), not SIGSTOP
 
     # -- plan arithmetic
     def batches_per_epoch(self, world: int) -> int:
@@ -500,7 +503,7 @@ class ScenarioRun:
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
                    mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation,
                    epoch_samples=sc.epoch_samples, packing=sc.packing, members=sc.members, cp_size=sc.cp_size,
-                   cp_layout=sc.cp_layout)
+                   cp_layout=sc.cp_layout, hedge=sc.hedge)
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()
@@ -542,6 +545,19 @@ class ScenarioRun:
             link = self.links[t]
             self.toxic(link.reset if f.kind == "reset" else link.blackhole)
             self.after(f.heal_ms / 1000, self.unclog, link)
+        elif f.kind == "slow":   # answers, at a trickle: far below what a rank takes
+            link = self.links[t]
+            self.toxic(lambda: link.bandwidth(SLOW_KBPS))
+            self.after(f.heal_ms / 1000, self.unclog, link)
+        elif f.kind == "stuck":   # its event loop stopped while gRPC answers pings (freeze.py)
+            if t in self.stopped or fd.proc.poll() is not None:
+                return
+            pid = fd.victim(self.rng)
+            if not freeze(pid):
+                return
+            self.stopped[t] = fd.stopped_pid = pid
+            self.frozen.add(pid)
+            self.after(f.heal_ms / 1000, self.cont_feeder, t)
         elif f.kind == "cache-damage":
             # What a host crash leaves a region: its shared cache damaged, and every feeder on it
             # started again, so that each entry is met by a process that has not verified it yet.
@@ -600,7 +616,11 @@ class ScenarioRun:
 
     def cont_feeder(self, t: int) -> None:
         pid = self.stopped.pop(t, None)
-        if pid:
+        if pid in self.frozen:
+            self.frozen.discard(pid)
+            thaw(pid)
+            self.feeders[t].stopped_pid = None
+        elif pid:
             _signal(pid, signal.SIGCONT)
             self.feeders[t].stopped_pid = None
 
@@ -760,7 +780,7 @@ class ScenarioRun:
                                        self.dir / f"feeder-{t}.log", sc.processes))
         for fd in self.feeders:   # launched together, waited for together: their starts overlap
             fd.wait_ready()
-        if sc.link_kbps or any(f.kind in ("reset", "blackhole") for f in sc.faults):
+        if sc.link_kbps or any(f.kind in ("reset", "blackhole", "slow") for f in sc.faults):
             try:
                 self.links = [proxies().proxy(fd.address) for fd in self.feeders]
             except OSError:   # a server whose API hangs (see restart_proxies)

@@ -4,6 +4,7 @@ exactly what was generated. The outcome can still depend on timing (that is the 
 injecting faults into real processes); the plan never does."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -11,13 +12,17 @@ from dataclasses import dataclass, field
 # added later is drawn after all of them, as cache-damage is).
 DRAWN_FIRST = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "corrupt", "supersede", "restart",
                "reshard", "repass", "disagree")
+# Gray failures (issue 45): a feeder that still answers but delivers far less than its ranks
+# take (`slow`: a bandwidth toxic on its link), or none at all (`stuck`: its event loop's thread
+# stopped by ptrace while gRPC's own threads answer pings). Drawn after everything else.
+GRAY_KINDS = ("slow", "stuck")
 # Every kind the generator can draw; the summary counts injected faults by these names.
-FAULT_KINDS = (*DRAWN_FIRST, "cache-damage")
+FAULT_KINDS = (*DRAWN_FIRST, "cache-damage", *GRAY_KINDS)
 # Faults that act on a feeder (or on the link to it) and are healed again: a killed feeder is
 # restarted on its port, a stopped one continued, a proxy's toxic cleared. cache-damage (issue 34)
 # damages every entry of the scenario's cache directory (packings, Kafka snapshots, orders) as a
 # new process would read them, and kills every feeder of the scenario: they come back on them.
-FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "cache-damage")
+FEEDER_FAULTS = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "cache-damage", *GRAY_KINDS)
 # The share of scenarios with cache entries (packed, or on Kafka topics) that damage them.
 CACHE_DAMAGE_SHARE = 0.25
 # The share of scenarios that stream a mixture of several sources (issue 18) instead of one.
@@ -36,6 +41,10 @@ LARGE_SHARE = 0.5
 # beside it, and some have context-parallel slices too (tests/chaos/rank.py Shadows).
 MEMBERS_SHARE = 0.2
 CP_SHARE = 0.5   # of those
+# The share with a gray failure among their faults, and the share whose ranks hedge their reads.
+GRAY_SHARE = 0.3
+HEDGE_SHARE = 0.3
+GRAY_HEAL_MS = (1500, 3000, 6000)   # how long a feeder stays slow or stuck
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ class Scenario:
     members: int = 1
     cp_size: int = 1
     cp_layout: str = "zigzag"
+    # Ranks that hedge their reads (issue 45: FeederDataset(hedge=True)).
+    hedge: bool = False
 
     @property
     def job(self) -> str:
@@ -123,7 +134,8 @@ class Scenario:
                 + (f" kafka={','.join(map(str, self.kafka))}" if self.kafka else "")
                 + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else "")
                 + (f" members={self.members}" if self.members > 1 else "")
-                + (f" cp={self.cp_size}:{self.cp_layout}" if self.cp_size > 1 else ""))
+                + (f" cp={self.cp_size}:{self.cp_layout}" if self.cp_size > 1 else "")
+                + (" hedge" if self.hedge else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -206,6 +218,8 @@ class Scenario:
                                "blackhole": rng.choice((500, 1500, 3000))}.get(kind, 0),
                       detail={"reshard": str(rng.choice([w for w in (1, 2, 3, 4, 5) if w != world])),
                               "disagree": rng.choice(("micro_batch", "epoch", "num_epochs"))}.get(kind, ""))
+            if kind in GRAY_KINDS:   # (only then: every other seed's draws stay as they were)
+                f = dataclasses.replace(f, heal_ms=rng.choice(GRAY_HEAL_MS))
             faults.append(f)
         # Drawn last, so every earlier draw (and so every scenario without one) stays as it was.
         mixture = ()
@@ -247,10 +261,19 @@ class Scenario:
             faults.append(Fault(kind="cache-damage", at_batch=rng.randint(1, max(1, horizon - 1)),
                                 rank=rng.randrange(s["world"]), target=rng.randrange(targets),
                                 heal_ms=rng.choice((0, 300, 1500))))
+        # Gray failures and hedged reads (issue 45), drawn after all else likewise.
+        if kinds is None and rng.random() < GRAY_SHARE:
+            rank = rng.randrange(s["world"])
+            home = rank % targets if s["spread"] else 0
+            faults.append(Fault(kind=rng.choice(GRAY_KINDS), at_batch=rng.randint(1, max(1, horizon - 1)), rank=rank,
+                                target=home if rng.random() < 0.8 else rng.randrange(targets),
+                                heal_ms=rng.choice(GRAY_HEAL_MS)))
+        hedge = rng.random() < HEDGE_SHARE
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
                         mixture=mixture, permutation=permutation, packing=packing, kafka=kafka,
-                        epoch_samples=epoch_samples, members=members, cp_size=cp_size, cp_layout=cp_layout)
+                        epoch_samples=epoch_samples, members=members, cp_size=cp_size, cp_layout=cp_layout,
+                        hedge=hedge)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

@@ -3,7 +3,8 @@
 COVERAGE together covers every fault kind (feeder SIGKILL/SIGTERM/SIGSTOP, reset and blackhole
 through a proxy, a corrupt replica, a superseding stream, a trainer restart from a checkpoint,
 a world-size change, a new DataLoader pass, a rank disagreeing with its job, the cache directory
-damaged under the feeders) and every worker
+damaged under the feeders, a feeder slowed to a trickle or stuck while gRPC answers, with ranks
+that hedge their reads) and every worker
 mode (0-3 workers, persistent or not, spawn and forkserver), with `serve --processes 2`, ranks
 spread over feeders, finite and unbounded streams, one dataset and mixtures of several, torch's
 order and the stateless one, concat windows and best-fit bins (checked against bins packed by
@@ -23,7 +24,7 @@ from tests.chaos import FAULT_KINDS, Scenario, run_scenario
 
 pytestmark = pytest.mark.fault
 
-COVERAGE = [2544, 241, 411, 2360, 671, 248, 569, 47, 467]
+COVERAGE = [2544, 241, 411, 2360, 671, 248, 569, 47, 467, 3211]
 
 
 def _run(seed: int, request=None):

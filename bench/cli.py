@@ -26,7 +26,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
     s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
-    s.add_argument("--only", choices=["formats", "mixture", "scale", "kafka", "packing", "members", "elastic"],
+    s.add_argument("--only", choices=["formats", "mixture", "scale", "kafka", "packing", "members", "elastic", "gray"],
                    default="",
                    help="formats: only tokens/s from each other tool's format against our shards; mixture: "
                         "only a mixture of 3 sources against one source; scale: first batch and feeder memory "
@@ -35,7 +35,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "plain windows, the boundaries' bytes on the wire, and the packer's time; members: feeder "
                         "CPU per token for 8 members of one rank against 8 ranks, and the bytes each "
                         "context-parallel member gets (docs/model-parallel.md); elastic: a surviving replica's data wait "
-                        "around a change of world, against the step time (docs/elastic.md)")
+                        "around a change of world, against the step time (docs/elastic.md); gray: a rank's data-wait with one "
+                        "slow feeder of two, before and after moving and hedging (docs/guarantees.md)")
 
 
 HELP = "measure the feeder against a raw socket, bare gRPC and a local DataLoader"
@@ -69,6 +70,15 @@ def cmd_bench(args) -> int:
         from .scale import scale_table
 
         print(scale_table(r))
+        return 0
+    if args.only == "gray":
+        g = r["gray"]
+        for name, e in g["runs"].items():
+            print(f"{name:8s} data-wait {100 * e['data_wait']:5.1f}% ({100 * e['data_wait_after_5s']:.2f}% after 5 s), "
+                  f"left the slow feeder at {e['left_slow_feeder_at_s']} s, hedged bytes {100 * e['hedged_share']:.1f}% "
+                  f"of those used")
+        print(f"(one feeder of two at {g['slow_link_kb_per_s']} KB/s for a rank taking {g['demand_kb_per_s']} KB/s; "
+              f"{g['proxy']})")
         return 0
     if args.only == "elastic":
         for policy, e in r["elastic"]["runs"].items():

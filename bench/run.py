@@ -49,6 +49,10 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
                 from .elastic import elastic_figures
 
                 res.update(elastic_figures(cfg, data))
+            elif cfg.only == "gray":
+                from .gray import gray_figures
+
+                res.update(gray_figures(cfg, data))
             elif cfg.only == "members":
                 from .members import members_figures
 

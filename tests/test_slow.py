@@ -127,7 +127,6 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
         assert moves_after == moves_before, "a rank moved between two healthy feeders"
         assert client.policy.last_move == "failback"
         check_prefix(loop.got, stream, SEQ, 1, 2, 11)
-        ds.close() if hasattr(ds, "close") else None
     finally:
         for f in feeders:
             f.stop()

@@ -177,6 +177,11 @@ class Delivery:
         h.until = now + h.hold_s
         return h.hold_s
 
+    def left_for_slowness(self, target: str) -> bool:
+        """Held off, or waiting for its probe: only a probe brings the rank back to it."""
+        h = self.holds.get(target)
+        return h is not None and h.back_at < 0
+
     def came_back(self, target: str, now: float) -> None:
         h = self.holds.get(target)
         if h is not None:

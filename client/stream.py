@@ -537,7 +537,7 @@ class FeederClient:
         health check, end the current stream so the reader reopens there from the cursor."""
         current = self.policy.index % len(self.targets)
         for i in self.policy.failback_due(time.monotonic()):
-            if self.targets[i] in self.gray.delivery.holds:   # left for slowness: back only after a probe (gray)
+            if self.gray.delivery.left_for_slowness(self.targets[i]):   # back only after a probe (gray)
                 continue
             if self.transport.rtt(self.targets[i], probes=2, timeout=2.0) != float("inf"):
                 with self._lock:

@@ -160,7 +160,7 @@ class StreamSpec:
     client_started_ns: int = 0
     continued: bool = False
     # Not part of the samples either: a side stream, a second copy of batches the rank also reads
-    # from another feeder (a hedged read or a probe; docs/failure-model.md). It takes no slot.
+    # from another feeder (a hedged read or a probe; docs/guarantees.md). It takes no slot.
     hedge: bool = False
     # A mixture of named sources ((name, weight), in order; () = one dataset), the positions
     # of its epoch (0: the sources' samples summed, filled in by the feeder), and whether a

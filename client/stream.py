@@ -394,7 +394,7 @@ class FeederClient:
             code, elsewhere = e.code(), any(k == ELSEWHERE for k, _ in e.trailing_metadata() or ())
             why = ("silent past the idle timeout" if self._idle_cancelled
                    else explain(e, target, self.cfg.security, answered=target in self._answered).partition(": ")[2])
-            failback = self.policy.failback
+            failback = self.policy.failback if not self.policy.moving else None   # (a move logs its own reason)
             action = self.policy.error(code.name, f"feeder {target}: {e.details()}", f"{target}: {why}",
                                        time.monotonic(), elsewhere=elsewhere)
             if failback is not None:

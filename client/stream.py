@@ -394,10 +394,12 @@ class FeederClient:
             code, elsewhere = e.code(), any(k == ELSEWHERE for k, _ in e.trailing_metadata() or ())
             why = ("silent past the idle timeout" if self._idle_cancelled
                    else explain(e, target, self.cfg.security, answered=target in self._answered).partition(": ")[2])
-            failback = self.policy.failback if not self.policy.moving else None   # (a move logs its own reason)
+            failback, moving = self.policy.failback, self.policy.moving
             action = self.policy.error(code.name, f"feeder {target}: {e.details()}", f"{target}: {why}",
                                        time.monotonic(), elsewhere=elsewhere)
-            if failback is not None:
+            if moving:   # ended by us to move off a slow feeder (client.gray logged why)
+                pass
+            elif failback is not None:
                 log.info("rank %d: %s answers again; moving back to it from %s", rank, action.target, target)
             elif elsewhere and isinstance(action, Retry):
                 log.error("feeder %s refused rank %d: %s; trying the next region", target, rank, e.details())

@@ -107,11 +107,15 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
         time.sleep(6)
         links[0].clear()                        # the link heals
         healed_at = time.monotonic() - loop.t0
-        wait_until(lambda: loop.region_now() == "a", 60, "the rank did not come back within a minute")
-        back_at = loop.log[-1][0]
+        client = ds.client
+        # (batches of the probe's side stream reach the loop before the move: wait for the move itself)
+        wait_until(lambda: client.policy.last_move == "failback" and client.target == links[0].listen, 60,
+                   "the rank did not come back within a minute")
+        back_at = time.monotonic() - loop.t0
+        time.sleep(0.5)
+        assert loop.region_now() == "a"
         # two healthy feeders of different round trips: the rank stays where it is
         links[0].latency(30)
-        client = ds.client
         moves_before = client.policy.moves + client.failovers + client.failbacks
         time.sleep(6)
         moves_after = client.policy.moves + client.failovers + client.failbacks

@@ -35,6 +35,12 @@ def parse_args(argv=None):
                    "REGION=HOST:PORT (one per region; each rank streams from the nearest and fails over)")
     p.add_argument("--prefer", default="rtt", choices=["rtt", "order"],
                    help="rtt: nearest region first, by measured round trip; order: as given")
+    p.add_argument("--slow-wait", type=float, default=0.05,
+                   help="move off a feeder that leaves the loop waiting more than this fraction of its time "
+                        "(0: only on errors and silence; docs/guarantees.md, Slow, not dead)")
+    p.add_argument("--hedge", action="store_true",
+                   help="while the read-ahead runs low, read the next batches from a second feeder too and take "
+                        "the first copy (costs bandwidth, saves waits)")
     p.add_argument("--tls-ca", default="", help="CA of the feeders' certificates (TLS)")
     p.add_argument("--tls-cert", default="", help="this job's client certificate (feeders with mutual TLS)")
     p.add_argument("--tls-key", default="")
@@ -202,7 +208,7 @@ def make_dataset(args, targets, rank: int, world: int, cursor, reshard: bool, fi
                          expected_fingerprint="" if mixture else fingerprint, compression=args.compression,
                          prefer=args.prefer, packing=args.packing, boundaries=wants_boundaries(args),
                          tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         token_file=args.token_file)
+                         token_file=args.token_file, slow_wait=args.slow_wait, hedge=args.hedge)
 
 
 def wants_boundaries(args) -> bool:

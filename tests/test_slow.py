@@ -44,8 +44,8 @@ class Loop:
     """A training loop on its own thread: takes a batch, trains STEP_S, records (time taken,
     time waited, region); stop() ends it."""
 
-    def __init__(self, ds):
-        self.ds, self.got, self.log = ds, [], []
+    def __init__(self, ds, step_s: float = STEP_S):
+        self.ds, self.got, self.log, self.step_s = ds, [], [], step_s
         self.t0 = time.monotonic()
         self._stop = threading.Event()
         self.error = None
@@ -61,7 +61,7 @@ class Loop:
                 now = time.monotonic()
                 self.got.append(b)
                 self.log.append((now - self.t0, now - a, b.region))
-                time.sleep(STEP_S)
+                time.sleep(self.step_s)
         except BaseException as e:   # surfaces in the test
             self.error = e
 
@@ -176,6 +176,44 @@ def test_hedged_reads_keep_8_ranks_fed_past_a_slow_feeder_and_no_sample_is_deliv
         # the feeders' ledgers: every sample of the epoch once, the hedged copies counted apart
         verdict = audit([str(p) for p in ledgers], job="slow-hedge")
         assert verdict and all(v["exactly_once"] for v in verdict), verdict
+    finally:
+        for f in feeders:
+            f.stop()
+
+
+def test_a_feeder_stuck_while_its_grpc_answers_loses_the_rank_within_the_window(slow_dataset, slow_docs):
+    """The feeder's event loop thread stopped by ptrace (tests/chaos/freeze.py): its gRPC C
+    threads keep the connection and answer HTTP/2 pings, so neither the keepalive (10 + 5 s)
+    nor the idle timeout (30 s) fires soon; the client's own judgement ("stuck": nothing
+    delivered while the loop waits) moves the rank once what was in flight (its read-ahead, the
+    HTTP/2 window and the sockets' buffers) is used up, within slow_window_s (3 s) of the loop's
+    first wait."""
+    from feeder_client import FeederDataset
+    from tests.chaos.freeze import freeze, thaw
+
+    stream = byte_stream(slow_docs)
+    feeders = [FeederProc(slow_dataset, extra=["--region", r]) for r in ("a", "b")]
+    try:
+        ds = FeederDataset({"a": feeders[0].address, "b": feeders[1].address}, job="slow-stuck", rank=0,
+                           world_size=2, seq_len=SEQ, micro_batch=MB, seed=13, num_epochs=0, prefer="order")
+        loop = Loop(ds, step_s=0.002)   # (a quick loop: what was in flight, megabytes, is used up in seconds)
+        wait_until(lambda: len(loop.log) > 50, 30, "the rank did not start")
+        pid = feeders[0].proc.pid
+        assert freeze(pid)
+        try:
+            frozen_at = time.monotonic() - loop.t0
+            wait_until(lambda: loop.region_now() == "b", 30, "the rank stayed on a stuck feeder")
+            moved_at = loop.log[-1][0]
+            starved_at = next(t - w for t, w, _ in loop.log if t >= frozen_at and w > 0.05)
+        finally:
+            thaw(pid)
+        time.sleep(1)
+        loop.stop()
+        print(f"stuck at {frozen_at:.1f} s, what was in flight used up at {starved_at:.1f} s, the rank on the other "
+              f"feeder at {moved_at:.1f} s; last move {ds.client.policy.last_move}")
+        assert moved_at - starved_at < 3 + 1.5, "not within slow_window_s (3 s) of the loop's first wait"
+        assert ds.client.policy.last_move in ("stuck", "slow")   # (stuck: nothing at all in the window)
+        check_prefix(loop.got, stream, SEQ, 0, 2, 13)
     finally:
         for f in feeders:
             f.stop()

@@ -127,11 +127,11 @@ class Gray:
         prefer = side.target if side is not None and side.purpose == "hedge" and side.handed else ""
         to = self._best(exclude={current}, now=now, prefer=prefer)
         if to is None:
-            line = f"{current} is {why} but no other target can take the rank"
-            if line != self._noted:
-                self._noted = line
-                log.warning("rank %d: feeder %s (the loop waited %.0f%% of the last %.0f s); staying",
-                            c.cfg.spec.rank, line, 100 * f["data_wait"], self.delivery.window_s)
+            if current != self._noted:   # (once per target, whether it is slow or stuck by turns)
+                self._noted = current
+                log.warning("rank %d: feeder %s is %s but no other target can take the rank (the loop waited "
+                            "%.0f%% of the last %.0f s); staying", c.cfg.spec.rank, current, why,
+                            100 * f["data_wait"], self.delivery.window_s)
             return
         self._noted = ""
         hold = self.delivery.leave(current, now)

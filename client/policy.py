@@ -37,7 +37,7 @@ def not_a_feeder(status_name: str, details: str) -> str:
         status = int(http.group(1))
         return "" if status in HTTP_TRANSIENT else f"answers HTTP {status}: a web server or ingress, not a feeder"
     if "http1.x" in low or "failed parsing http/2" in low:   # (gRPC's words for an HTTP/1 answer)
-        return "speaks HTTP/1 (or another protocol), not gRPC: not a feeder"
+        return f"speaks HTTP/1 (or another protocol), not gRPC: not a feeder (gRPC said: {details[:300]})"
     if status_name == "UNIMPLEMENTED":
         return f"not a feeder (UNIMPLEMENTED: {details.partition(': ')[2] or details})"
     return ""
@@ -196,16 +196,21 @@ class Policy:
             return self.last_failure.get(t, "not tried")
         return "; ".join(f"{t}: {why(t)}" for t in dict.fromkeys(self.targets))
 
-    def error(self, status_name: str, message: str, why: str, now: float, elsewhere: bool = False) -> Retry | GiveUp:
+    def error(self, status_name: str, message: str, why: str, now: float, elsewhere: bool = False,
+              answered: bool = False) -> Retry | GiveUp:
         """The stream ended with a gRPC error status (its name, e.g. "UNAVAILABLE").
 
         In this order: ended by us to fail back -> move back; not a feeder (not_a_feeder) or
         `elsewhere` (the status carried `feeder-elsewhere`, any code) -> a refusal, skip this
         target; a status not in RETRYABLE
-        -> GiveUp(FeederError(message)); else a break (`why` says what broke, for the log)."""
+        -> GiveUp(FeederError(message)); else a break (`why` says what broke, for the log).
+        A target that has `answered` this client as a feeder is not taken for something else on
+        a retryable status: what garbled its answer (a proxy between, a connection cut in its
+        handshake) is a break (soak seed 4500031: a feeder stuck, then slowed, behind a proxy
+        was once judged "speaks HTTP/1" and its only rank gave up)."""
         if self.failback is not None:
             return self.failback_ended()
-        wrong = not_a_feeder(status_name, message)
+        wrong = "" if answered and status_name in RETRYABLE else not_a_feeder(status_name, message)
         if wrong:
             return self.refuse(f"{self.target}: {wrong}", Code.UNAVAILABLE)
         if elsewhere:

@@ -396,7 +396,7 @@ class FeederClient:
                    else explain(e, target, self.cfg.security, answered=target in self._answered).partition(": ")[2])
             failback, moving = self.policy.failback, self.policy.moving
             action = self.policy.error(code.name, f"feeder {target}: {e.details()}", f"{target}: {why}",
-                                       time.monotonic(), elsewhere=elsewhere)
+                                       time.monotonic(), elsewhere=elsewhere, answered=target in self._answered)
             if moving:   # ended by us to move off a slow feeder (client.gray logged why)
                 pass
             elif failback is not None:

@@ -97,3 +97,12 @@ def test_the_policy_counts_moves_apart_from_failovers_and_failbacks():
     assert r.target == "c" and (p.moves, p.failovers, p.failbacks, p.last_move) == (1, 0, 0, "slow")
     p.broke("c: reset", 2.0)
     assert p.last_move == "error" and p.failovers == 1
+
+
+def test_regression_soak_4500031_a_target_that_answered_as_a_feeder_is_not_taken_for_http1_on_a_break():
+    garbled = "feeder a: Trying to connect an http1.x server"
+    p = Policy(["a"], retry_for_s=60)
+    assert p.error("UNAVAILABLE", garbled, "a: garbled", 1.0, answered=True).target == "a"   # a break: again
+    fresh = Policy(["a"], retry_for_s=60)
+    gave_up = fresh.error("UNAVAILABLE", garbled, "a: garbled", 1.0)
+    assert "speaks HTTP/1" in str(gave_up.error), "never answered: a start-up mistake, said at once"

@@ -9,35 +9,14 @@ import time
 
 import pytest
 
-from tests.helpers import FeederProc, byte_stream, make_docs, prep_docs
-from tests.test_wan import FEEDER_FLAGS, check_prefix
+from tests.helpers import FeederProc, byte_stream
+# the WAN tests' corpus (2,500 documents) and proxy server, as fixtures of this module too
+from tests.test_wan import FEEDER_FLAGS, check_prefix, proxies, wan_dataset, wan_docs  # noqa: F401
 
 pytestmark = pytest.mark.fault
 
 STEP_S = 0.02     # the loop "trains" this long on each batch
 SEQ, MB = 2048, 8
-
-
-@pytest.fixture(scope="module")
-def slow_docs():
-    return make_docs(2500, seed=45, max_words=150)
-
-
-@pytest.fixture(scope="module")
-def slow_dataset(tmp_path_factory, slow_docs):
-    return prep_docs(tmp_path_factory.mktemp("slow"), slow_docs, shard_tokens=400_000, chunk_tokens=100_000)
-
-
-@pytest.fixture(scope="module")
-def proxies():
-    from tests.wanproxy import start_proxies
-    p = start_proxies()
-    yield p
-    p.close()
-
-
-def batch_bytes(b) -> int:
-    return b.tokens.numel() * b.tokens.element_size()
 
 
 class Loop:
@@ -87,12 +66,12 @@ def wait_until(cond, limit_s: float, what: str):
         time.sleep(0.05)
 
 
-def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_heals(slow_dataset, slow_docs,
+def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_heals(wan_dataset, wan_docs,
                                                                                         proxies):
     from feeder_client import FeederDataset
 
-    stream = byte_stream(slow_docs)
-    feeders = [FeederProc(slow_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r])
+    stream = byte_stream(wan_docs)
+    feeders = [FeederProc(wan_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r])
                for r in ("a", "b")]
     links = [proxies.proxy(f.address) for f in feeders]
     try:
@@ -136,16 +115,16 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
             f.stop()
 
 
-def test_hedged_reads_keep_8_ranks_fed_past_a_slow_feeder_and_no_sample_is_delivered_twice(slow_dataset, slow_docs,
+def test_hedged_reads_keep_8_ranks_fed_past_a_slow_feeder_and_no_sample_is_delivered_twice(wan_dataset, wan_docs,
                                                                                           proxies, tmp_path):
     from feeder.ops.audit import audit
     from feeder_client import FeederDataset
 
-    stream = byte_stream(slow_docs)
+    stream = byte_stream(wan_docs)
     world, seed = 8, 12
     EPOCHS = 40     # of ~10 batches per rank: some 8 s of training
     ledgers = [tmp_path / f"ledger-{r}.jsonl" for r in ("a", "b")]
-    feeders = [FeederProc(slow_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r,
+    feeders = [FeederProc(wan_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r,
                                                "--ledger", str(led)]) for r, led in zip(("a", "b"), ledgers)]
     links = [proxies.proxy(f.address) for f in feeders]
     per_batch = MB * (SEQ + 1) * 2
@@ -181,7 +160,7 @@ def test_hedged_reads_keep_8_ranks_fed_past_a_slow_feeder_and_no_sample_is_deliv
             f.stop()
 
 
-def test_a_feeder_stuck_while_its_grpc_answers_loses_the_rank_within_the_window(slow_dataset, slow_docs):
+def test_a_feeder_stuck_while_its_grpc_answers_loses_the_rank_within_the_window(wan_dataset, wan_docs):
     """The feeder's event loop thread stopped by ptrace (tests/chaos/freeze.py): its gRPC C
     threads keep the connection and answer HTTP/2 pings, so neither the keepalive (10 + 5 s)
     nor the idle timeout (30 s) fires soon; the client's own judgement ("stuck": nothing
@@ -191,8 +170,8 @@ def test_a_feeder_stuck_while_its_grpc_answers_loses_the_rank_within_the_window(
     from feeder_client import FeederDataset
     from tests.chaos.freeze import freeze, thaw
 
-    stream = byte_stream(slow_docs)
-    feeders = [FeederProc(slow_dataset, extra=["--region", r]) for r in ("a", "b")]
+    stream = byte_stream(wan_docs)
+    feeders = [FeederProc(wan_dataset, extra=["--region", r]) for r in ("a", "b")]
     try:
         ds = FeederDataset({"a": feeders[0].address, "b": feeders[1].address}, job="slow-stuck", rank=0,
                            world_size=2, seq_len=SEQ, micro_batch=MB, seed=13, num_epochs=0, prefer="order")

@@ -76,14 +76,15 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
     links = [proxies.proxy(f.address) for f in feeders]
     try:
         ds = FeederDataset({"a": links[0].listen, "b": links[1].listen}, job="slow-move", rank=1, world_size=2,
-                           seq_len=SEQ, micro_batch=MB, seed=11, num_epochs=0, prefer="order", compression="none")
+                           seq_len=SEQ, micro_batch=MB, seed=11, num_epochs=0, prefer="order", compression="none",
+                           slow_hold_s=6)   # (15 s by default: back 15-45 s after a target heals)
         per_batch = MB * (SEQ + 1) * 2          # uint16 tokens
         demand = per_batch / STEP_S             # bytes per second the loop takes
         links[0].bandwidth(int(demand / 4 / 1024))   # a quarter of it
         loop = Loop(ds)
         wait_until(lambda: loop.region_now() == "b", 20, "the rank never left the slow feeder")
         left_at = loop.log[-1][0]
-        time.sleep(6)
+        time.sleep(2)
         links[0].clear()                        # the link heals
         healed_at = time.monotonic() - loop.t0
         client = ds.client

@@ -27,6 +27,7 @@ from .decode import DTYPES, FeederBatch, decode, pinned
 from .gray import Gray
 from .handoff import END as _END
 from .handoff import Handoff
+from .handing import Handing
 from .policy import RETRYABLE, Finish, GiveUp, Policy, Retry, order_targets, other_region, rtt_step
 from .transport import Transport, channel_options, feeder_info, measure_rtt
 from feeder.core.errors import COMPLETE, ELSEWHERE, END, Code, FeederError
@@ -70,20 +71,7 @@ class Incomplete(Exception):
 # A feeder building an epoch's order tells the rank every ~2 s; the rank's log says so this often.
 WAITING_LOG_S = 30.0
 
-# Cursors of the batches handed over lately, kept to check a later copy of one against.
-RECENT = 1024
-
-
-class _Reader:
-    """One stream's place: its target, the number of its next batch, and (a hedge or a probe)
-    its side stream."""
-    __slots__ = ("target", "next", "side")
-
-    def __init__(self, target: str, first: int, side=None):
-        self.target, self.next, self.side = target, first, side
-
-
-class FeederClient:
+class FeederClient(Handing):
     """One rank's stream of batches (FeederBatch), in order, each once, across failovers.
 
     The lower-level half of FeederDataset, without torch's Dataset protocol: iterate it.
@@ -294,50 +282,8 @@ class FeederClient:
                               client_started_ns=self._started_ns, continued=self._opened or hedge,
                               permutation=self._permutation, hedge=hedge)
 
-    @staticmethod
-    def reader(target: str, first: int, side=None) -> "_Reader":
-        return _Reader(target, first, side)
-
     def _put(self, item) -> bool:
         return self._q.put_many([item], self._stop)
-
-    def _hand(self, run: list, reader: "_Reader") -> bool:
-        """Queue a stream's decoded batches (numbered, in order) but those another stream handed
-        over first; the stream resumes after the last one queued, and a worker's stream with
-        the batch after its own in the round-robin."""
-        with self._gate:
-            fresh = [b for k, b in run if k >= self._seq]
-            if not fresh:
-                return True
-            if run[-len(fresh)][0] != self._seq:   # a stream never skips a batch: a bug, said plainly
-                raise FeederError(f"stream from {reader.target} handed batch {run[-len(fresh)][0]} when "
-                                  f"{self._seq} was next", code=Code.INTERNAL)
-            if not self._q.put_many(fresh, self._stop):
-                return False
-            for k, b in run[-len(fresh):]:
-                self._recent[k] = b.cursor
-                self._recent.pop(k - RECENT, None)
-            self._seq += len(fresh)
-            self.cursor = fresh[-1].cursor
-        if reader.side is None:
-            self._handed += len(fresh)
-        else:
-            reader.side.handed += len(fresh)
-        self.gray.delivery.arrived(time.monotonic(), len(fresh))
-        s = self.cfg.spec
-        self._phase = (s.worker_index + 1) % s.num_workers
-        return True
-
-    def _copy(self, k: int, b, reader: "_Reader") -> None:
-        """Batch k arrived again (another stream handed it over first): dropped, counted, and
-        its cursor checked against the one handed over (same cursor, same batch, any feeder)."""
-        self.gray.hedged_bytes += len(b.tokens) + len(b.sample_ids)
-        if reader.side is not None:
-            reader.side.dropped_bytes += len(b.tokens)
-        want = self._recent.get(k)
-        if want is not None and want != b.cursor:
-            raise FeederError(f"batch {k} from {reader.target} is not the batch handed over under that number (its "
-                              "cursor differs): feeders disagree about this stream", code=Code.INTERNAL)
 
     def _order_targets(self) -> None:
         """Nearest first: every target's RTT measured at once (unreachable ones go last). The
@@ -479,42 +425,6 @@ class FeederClient:
             log.info("rank %d: feeder %s: %s", self.cfg.spec.rank, target, why)
         self.waiting = why
         self.waited += 1
-
-    def _hand_reply(self, reply: pb.StreamReply, reader: "_Reader") -> bool:
-        """Decode a reply's batches in runs of up to half the read-ahead, each handed over at once
-        (a batch another stream handed over first is dropped undecoded). False on close(); a
-        corrupt batch raises FeederError after the good ones before it."""
-        run, size = [], max(1, self._q.capacity // 2)
-        try:
-            sources = reply.sources   # a mixture's: one entry per batch
-            bounds = reply.boundaries   # a stream's with boundaries: one entry per batch
-            if self.cfg.spec.boundaries and len(bounds) != len(reply.batches):
-                raise FeederError(f"the feeder sent {len(bounds)} batches' boundaries for {len(reply.batches)} batches "
-                                  "of a stream that asked for them (a feeder release without boundaries?)",
-                                  code=Code.FAILED_PRECONDITION)
-            s = self.cfg.spec
-            cp = (s.seq_len, s.cp_size, s.cp_rank, s.cp_layout) if s.cp_size > 1 else None
-            steps = reply.elastic   # an elastic stream's: one entry per batch
-            if s.elastic and len(steps) != len(reply.batches):
-                raise FeederError(f"the feeder sent {len(steps)} batches' step fields for {len(reply.batches)} batches "
-                                  "of an elastic stream (a feeder release without live elasticity?)",
-                                  code=Code.FAILED_PRECONDITION)
-            for j, b in enumerate(reply.batches):
-                k = reader.next
-                reader.next += 1
-                if k < self._seq:   # (it only grows: a stale read errs toward decoding a copy)
-                    self._copy(k, b, reader)
-                    continue
-                run.append((k, decode(b, reply.region, self._alloc, sources[j] if sources else None,
-                                      bounds[j] if bounds else None, cp, steps[j] if steps else None)))
-                if len(run) >= size:
-                    if not self._hand(run, reader):
-                        return False
-                    run = []
-        finally:  # the good batches before a corrupt one are still delivered
-            if run and not self._hand(run, reader):
-                return False
-        return True
 
     def _watch(self) -> None:
         """Abandons a silent feeder, and reports data-wait to the feeder feeding us."""

@@ -226,6 +226,10 @@ class Gray:
                     self.hedges += 1
                     self._start_side(to, "hedge", now)
             return
+        if side.promoted is None and side.target == c.policy.target:
+            # the rank failed over to the hedge's target meanwhile: one stream there is enough
+            self._stop_side()
+            return
         if side.promoted is not None:
             # the rank moved to the hedge's target: the hedge covers the new stream's start
             if c.policy.target != side.target or c._handed > side.promoted:

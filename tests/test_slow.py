@@ -197,3 +197,38 @@ def test_a_feeder_stuck_while_its_grpc_answers_loses_the_rank_within_the_window(
     finally:
         for f in feeders:
             f.stop()
+
+
+def test_a_side_stream_of_a_rank_takes_no_slot_and_the_audit_counts_its_copies_apart(wan_dataset, tmp_path):
+    """A hedged read (StreamRequest.hedge) of a rank whose own stream is open on the same feeder,
+    from the same cursor: neither replaces the other, both run to their end with the same
+    batches, status counts the rank's own stream only, and `feeder audit` says exactly once with
+    the copies counted as hedged."""
+    import grpc
+
+    from feeder.core.config import StreamSpec
+    from feeder.ops.audit import audit
+    from feeder.ops.status import fetch
+    from feeder.service.convert import stream_request
+    from feeder.v1 import feeder_pb2_grpc as pb_grpc
+
+    ledger = tmp_path / "ledger.jsonl"
+    feeder = FeederProc(wan_dataset, extra=["--ledger", str(ledger)])
+    try:
+        spec = StreamSpec(job="side", rank=0, world_size=4, seq_len=256, micro_batch=4, seed=3, num_epochs=1,
+                          client_started_ns=time.time_ns())
+        with grpc.insecure_channel(feeder.address) as ch:
+            stub = pb_grpc.FeederStub(ch)
+            own = stub.Stream(stream_request(spec))
+            first = next(own)                               # the rank's stream is open ...
+            side = stub.Stream(stream_request(spec, hedge=True, continued=True))   # ... and its copy
+            copy = [b for r in side for b in r.batches]
+            ranks = fetch(feeder.address, job="side").jobs[0].ranks
+            mine = list(first.batches) + [b for r in own for b in r.batches]
+        assert [b.cursor for b in copy] == [b.cursor for b in mine] and len(mine) > 5
+        assert [r.rank for r in ranks] == [0] and ranks[0].batches_sent == len(mine), ranks   # its own, once
+        (v,) = audit([str(ledger)], job="side")
+        assert v["exactly_once"] is False and v["n_missing"] > 0   # (one rank of four: the others are missing)
+        assert v["n_duplicate_deliveries"] == 0 and v["hedged_batches"] == len(copy) and v["resent_batches"] == 0
+    finally:
+        feeder.stop()

@@ -146,7 +146,7 @@ class Engine:
         stream.state.peer = peer
         stream.state.last_error = ""
         stream.state.failovers += failover
-        if spec.members > 1:
+        if spec.members > 1 and not spec.hedge:   # (a side stream reads on its own: the window is its rank's)
             await self._join_members(stream, src, cursor)
         if self.ledger and spec.member == 0 and spec.cp_rank == 0:   # a rank's samples once, whoever sends them
             opened = {"open": spec.job, "region": self.cfg.region, "n": plan.n, "world": spec.world_size,
@@ -257,6 +257,8 @@ class Engine:
                     rec.update(ids=block.positions[a:b].tolist(),
                                sources=[names[d] for d in block.sources[a:b].tolist()],
                                sample_ids=block.ids[a:b].tolist())
+                if s.hedge:   # a copy of a batch the rank reads elsewhere: audit counts it apart
+                    rec["hedge"] = True
                 lines.append(json.dumps(rec) + "\n")
             self.ledger.write("".join(lines))
 

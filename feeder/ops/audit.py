@@ -3,7 +3,9 @@ per sample, or list the gaps and duplicates.
 
 A batch is identified by (world, rank, step) within (job, epoch). The same batch sent twice
 (by a feeder that failed, then by the one the rank failed over to) is one delivery to
-training: only its first copy counts, and a copy with other ids is a conflict.
+training: only its first copy counts, and a copy with other ids is a conflict. A batch a rank
+read twice at once (a hedged read, a probe of a slow feeder: `"hedge": true` on the side
+stream's records) is one delivery too, counted apart (`hedged_batches`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ class EpochAudit:
     sources: dict = field(default_factory=dict)      # (world, rank, step) -> a mixture's sources
     conflicts: list = field(default_factory=list)
     resent: int = 0
+    hedged: int = 0      # copies sent on side streams (hedged reads, probes): the rank took one copy
+    hedge_first: set = field(default_factory=set)   # batches whose first copy was a side stream's
 
     def verdict(self) -> dict:
         counts = Counter(i for ids in self.batches.values() for i in ids)
@@ -47,7 +51,7 @@ class EpochAudit:
             out["per_source"] = {n: {"samples": got[n], "expected": round(self.mixture[n] * self.n, 1)
                                      if n in self.mixture else None} for n in sorted(got, key=lambda n: -got[n])}
         return {**out, "job": self.job, "epoch": self.epoch, "samples": self.n, "batches": len(self.batches),
-                "resent_batches": self.resent, "missing": missing[:50], "n_missing": n_missing,
+                "resent_batches": self.resent, "hedged_batches": self.hedged, "missing": missing[:50], "n_missing": n_missing,
                 "duplicates": sorted(repeats)[:50], "n_duplicate_deliveries": extra, "padding_allowed": padding,
                 "conflicts": self.conflicts[:10], "exactly_once": ok}
 
@@ -94,10 +98,15 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
             seen = ea.batches.get(key)
             if seen is None:
                 ea.batches[key] = r["ids"]
+                if r.get("hedge"):
+                    ea.hedge_first.add(key)
                 if "sources" in r:
                     ea.sources[key] = r["sources"]
             elif seen == r["ids"]:
-                ea.resent += 1
+                if r.get("hedge") or key in ea.hedge_first:
+                    ea.hedged += 1
+                else:
+                    ea.resent += 1
             else:
                 ea.conflicts.append({"batch": key, "first": seen, "then": r["ids"]})
     out = [e.verdict() for e in epochs.values()]

@@ -159,6 +159,9 @@ class Job:
     # process may come back.
     holders: dict[tuple[int, int], int] = field(default_factory=dict)
     replaced: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    # Side streams (StreamSpec.hedge: a hedged read or a probe of a rank whose stream is
+    # elsewhere, client/gray.py) open now: they take no slot.
+    hedges: set = field(default_factory=set)
 
 
 def unknown_job(job: str, known) -> NotFound:
@@ -180,7 +183,7 @@ class Jobs:
     def evict_idle(self) -> list[str]:
         now = self.clock()
         gone = [name for name, j in self.jobs.items()
-                if not j.streams and j.idle_since is not None and now - j.idle_since > self.idle_ttl_s]
+                if not j.streams and not j.hedges and j.idle_since is not None and now - j.idle_since > self.idle_ttl_s]
         for name in gone:
             del self.jobs[name]
             log.info("job %s forgotten after %.0f s without streams", name, self.idle_ttl_s)
@@ -209,6 +212,13 @@ class Jobs:
             j = self.jobs[spec.job] = Job(job=spec.job, key=key, world_size=spec.world_size,
                                           dataset=spec.dataset or "+".join(n for n, _ in spec.mixture),
                                           **fenced)
+        if spec.hedge:
+            # A second copy of batches the rank reads elsewhere: it neither replaces the rank's
+            # stream of its slot nor is replaced by it, and the rank's status stays the stream's.
+            j.hedges.add(stream)
+            j.idle_since = None
+            return RankState(rank=spec.rank, connected=True, state="hedge", micro_batch=spec.micro_batch,
+                             seq_len=spec.seq_len, mixture=tuple(n for n, _ in spec.mixture))
         slot = slot_of(spec)
         agree(j, spec, slot)
         hold(j, slot, spec)
@@ -230,18 +240,23 @@ class Jobs:
         j = self.jobs.get(spec.job)
         if j is None:
             return
+        if spec.hedge:
+            j.hedges.discard(stream)
+            if not j.streams and not j.hedges:
+                j.idle_since = self.clock()
+            return
         slot = slot_of(spec)
         if j.streams.get(slot) is stream:
             del j.streams[slot]
         if not any(r == spec.rank for r, *_ in j.streams):
             j.ranks[spec.rank].connected = False
             j.ranks[spec.rank].queue_depth = 0   # its queue went with its stream
-        if not j.streams:
+        if not j.streams and not j.hedges:
             j.idle_since = self.clock()
 
     @property
     def streams_open(self) -> int:
-        return sum(len(j.streams) for j in self.jobs.values())
+        return sum(len(j.streams) + len(j.hedges) for j in self.jobs.values())
 
 
 def fence(job: Job, spec: StreamSpec) -> None:
@@ -264,8 +279,8 @@ def fence(job: Job, spec: StreamSpec) -> None:
         its first stream on the other process).
     0 (an older client) is neither fenced nor recorded. Across hosts the time order needs
     clocks that agree far better than a restart takes (NTP: milliseconds)."""
-    if spec.elastic:
-        # An elastic job's rank is a replica index of one step's world: torchft hands it to
+    if spec.elastic or spec.hedge:
+        # (A side stream takes no slot: nothing to fence.) An elastic job's rank is a replica index of one step's world: torchft hands it to
         # another group whenever the quorum changes, so it names no process. A group that held
         # replica 1, lost it to another and got it back, then failed over to a feeder that saw
         # only the middle of that, was refused here and crashed (CI, the torchft test). Which
@@ -329,7 +344,7 @@ def _slot_name(spec: StreamSpec) -> str:
 def hold(job: Job, slot: tuple, spec: StreamSpec) -> None:
     """Record an accepted stream's process as the slot's holder (see fence)."""
     t = spec.client_started_ns
-    if not t or spec.elastic:
+    if not t or spec.elastic or spec.hedge:
         return
     replaced = job.replaced.setdefault(slot, set())
     old = job.holders.get(slot, 0)

@@ -99,6 +99,13 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
         moves_before = client.policy.moves + client.failovers + client.failbacks
         time.sleep(6)
         moves_after = client.policy.moves + client.failovers + client.failbacks
+        # the feeder serving the rank shows how the client says it is fed (its reports, every 5 s)
+        from feeder.ops.status import fetch, render
+        (r,) = [r for j in fetch(feeders[0].address, job="slow-move").jobs for r in j.ranks if r.rank == 1]
+        from rich.console import Console
+        con = Console(width=250)
+        with con.capture() as cap:
+            con.print(render(fetch(feeders[0].address), feeders[0].address))
         loop.stop()
         wait_after = loop.wait_fraction(left_at + 0.5)
         print(f"left the slow feeder at {left_at:.1f} s, healed at {healed_at:.1f} s, back at {back_at:.1f} s; "
@@ -110,6 +117,9 @@ def test_a_rank_moves_off_a_feeder_at_a_quarter_of_its_demand_and_back_when_it_h
         assert back_at - healed_at < 60
         assert moves_after == moves_before, "a rank moved between two healthy feeders"
         assert client.policy.last_move == "failback"
+        assert (r.target, r.moved, r.moves) == (links[0].listen, "failback", 2) and r.consumed_per_s > 30, r
+        assert 0 < r.hedged_bytes == client.gray.hedged_bytes   # (the probe's copies)
+        assert f"via {links[0].listen}, moved 2 (last: failback)" in cap.get(), cap.get()   # `feeder status`
         check_prefix(loop.got, stream, SEQ, 1, 2, 11)
     finally:
         for f in feeders:

@@ -278,7 +278,7 @@ class Engine:
         self.on_change()
 
     def report(self, job: str, rank: int, wait_s: float, step_s: float,
-               position: tuple[int, int] | None = None, batches: int = 0) -> None:
+               position: tuple[int, int] | None = None, batches: int = 0, feed: dict | None = None) -> None:
         if position is not None and job not in self.jobs.jobs:
             # A rank training on what it was sent before this process (re)started, or streaming
             # from another process of this port: its job stays known to status while it reports.
@@ -302,6 +302,8 @@ class Engine:
                 stream.live_plan.taken(position[1])
         if batches and step_s > 0:
             st.taken_rate = batches * st.micro_batch * (st.seq_len + 1) / step_s
+        if feed:
+            st.feed = feed
 
     def rss_mb(self) -> float:
         try:
@@ -340,7 +342,7 @@ def _rank_status(r, region: str) -> RankStatus:
                       failovers=r.failovers, tokens_sent=r.tokens_sent, bad_records=r.bad_records, region=region,
                       state=r.state, samples_sent=r.samples_done, reported=r.consumed is not None,
                       sent_epoch=r.epoch, members=member_status(r), window_builds=r.window_builds,
-                      member_shared=r.member_shared, member_solo=r.member_solo)
+                      member_shared=r.member_shared, member_solo=r.member_solo, **r.feed)
 
 
 def member_status(r) -> tuple[MemberStatus, ...]:

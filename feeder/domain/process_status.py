@@ -46,6 +46,13 @@ class RankStatus:
     window_builds: int = 0
     member_shared: int = 0
     member_solo: int = 0
+    # the rank's client's view of its feed (its reports: feeder.service.convert.FEED)
+    target: str = ""
+    moved: str = ""
+    moves: int = 0
+    delivered_per_s: float = 0.0
+    consumed_per_s: float = 0.0
+    hedged_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,8 @@ def render(reply, target: str):
                       r.last_error[:60])
             if r.members:   # a model-parallel rank: its members, and which lag
                 t.add_row("", "", "", "", _members(r), *[""] * 11)
+            if r.target:   # how the rank's client says it is fed (slow, not dead)
+                t.add_row("", "", "", "", _feed(r), *[""] * 11)
     elastic = [f"elastic {j.job}: {j.elastic}" for j in reply.jobs if j.elastic]
     if elastic:
         t.caption = "\n".join(elastic + ([t.caption] if t.caption else []))
@@ -68,6 +70,15 @@ def render(reply, target: str):
     if reply.preparing:   # streams wait for these before their first batch
         t.caption = "\n".join(["preparing: " + p for p in reply.preparing] + ([t.caption] if t.caption else []))
     return t
+
+
+def _feed(r) -> str:
+    """One line of a rank's feed as its client reports it: where from, its moves, delivery
+    against what its loop takes, and the hedged copies it dropped."""
+    moved = f"moved {r.moves} (last: {r.moved})" if r.moves else "never moved"
+    hedged = f", hedged {r.hedged_bytes / 2**20:.1f} MiB" if r.hedged_bytes else ""
+    return (f"└ via {r.target}, {moved}, delivered {r.delivered_per_s:.1f}/s vs consumed "
+            f"{r.consumed_per_s:.1f}/s{hedged}")
 
 
 def _members(r) -> str:

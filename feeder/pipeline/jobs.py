@@ -68,6 +68,10 @@ class RankState:
     reads: int = 0
     read_buckets: list[int] = field(default_factory=lambda: [0] * (len(READ_BUCKETS) + 1))
     bad_records: int = 0         # skipped under bad_records=skip
+    # The rank's client's view of its feed (its reports; docs/guarantees.md, "Slow, not dead"):
+    # the target serving it, why it last moved, how often, delivered and consumed batches per
+    # second, and the bytes of hedged copies it dropped.
+    feed: dict = field(default_factory=dict)
     lag: dict[int, int] = field(default_factory=dict)   # a tailed source's: partition -> records behind its end (Plan.lag)
     mixture: tuple[str, ...] = ()    # a mixture's source names, in its order
     source_samples: dict[str, int] = field(default_factory=dict)   # samples sent from each

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from feeder.domain.engine import Engine
     from feeder.sources import Source
 
+# A rank's client's view of its feed: the same fields in ReportRequest and RankStatus (30-35).
+FEED = ("target", "moved", "moves", "delivered_per_s", "consumed_per_s", "hedged_bytes")
+
 SERVICE = pb.DESCRIPTOR.services_by_name["Feeder"].full_name   # "feeder.v1.Feeder"
 
 STATUS = {

@@ -40,6 +40,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_failovers_total": ("counter", "Streams a client opened here because its previous stream broke",
                                RANK),
     "feeder_rank_connected": ("gauge", "1 while the rank has an open stream here", RANK),
+    "feeder_rank_moves_total": ("counter", "Times the rank's client moved to another feeder: after an error, off a "
+                                "slow or stuck one, or back after a failback (reported)", RANK),
+    "feeder_hedged_bytes_total": ("counter", "Bytes of hedged copies the rank's client received and dropped "
+                                  "(reported)", RANK),
     "feeder_epoch": ("gauge", "Epoch the rank's training loop is in (reported; else the epoch being sent)", RANK),
     "feeder_epoch_progress_ratio": ("gauge", "Share of the epoch the rank's loop has taken (reported; 0 before "
                                     "its first report)", RANK),
@@ -137,6 +141,8 @@ class EngineCollector:
             fam["feeder_step_seconds_total"].add_metric(lab, st.step_s)
             fam["feeder_stream_restarts_total"].add_metric(lab, st.restarts)
             fam["feeder_failovers_total"].add_metric(lab, st.failovers)
+            fam["feeder_rank_moves_total"].add_metric(lab, st.feed.get("moves", 0))
+            fam["feeder_hedged_bytes_total"].add_metric(lab, st.feed.get("hedged_bytes", 0))
             fam["feeder_rank_connected"].add_metric(lab, 1.0 if st.connected else 0.0)
             epoch, done = st.position
             fam["feeder_epoch"].add_metric(lab, epoch)

@@ -15,7 +15,7 @@ from feeder.domain.engine import Engine
 from feeder.sources import preparing
 from feeder.core.errors import COMPLETE, END, FeederError, Unavailable
 from feeder.service import convert
-from feeder.service.convert import SERVICE, spec_from_request
+from feeder.service.convert import FEED, SERVICE, spec_from_request
 from feeder.service.convert import STATUS  # noqa: F401  (server.py hands it to the AuthInterceptor from here)
 from feeder.domain.siblings import merge
 from feeder.v1 import feeder_pb2 as pb
@@ -198,6 +198,9 @@ class FeederServicer(pb_grpc.FeederServicer):
             self.engine.commit(request.job, request.rank, request.committed_step, request.committed,
                                request.replicas, request.step_cursor)
             return pb.ReportReply()
+        feed = None
+        if request.target:   # a client that says how it is fed (issue 45)
+            feed = {k: getattr(request, k) for k in FEED}
         self.engine.report(request.job, request.rank, request.wait_s, request.step_s,
-                           (request.epoch, request.step) if request.has_position else None, request.batches)
+                           (request.epoch, request.step) if request.has_position else None, request.batches, feed)
         return pb.ReportReply()

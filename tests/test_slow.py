@@ -28,6 +28,7 @@ class Loop:
         self.t0 = time.monotonic()
         self._stop = threading.Event()
         self.error = None
+        self.paused = False   # the loop takes nothing while set (a checkpoint, an evaluation)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -35,6 +36,9 @@ class Loop:
         try:
             it = iter(self.ds)
             while not self._stop.is_set():
+                if self.paused:
+                    time.sleep(0.01)
+                    continue
                 a = time.monotonic()
                 b = next(it)
                 now = time.monotonic()
@@ -233,8 +237,8 @@ def test_a_side_stream_of_a_rank_takes_no_slot_and_the_audit_counts_its_copies_a
             first = next(own)                               # the rank's stream is open ...
             side = stub.Stream(stream_request(spec, hedge=True, continued=True))   # ... and its copy
             copy = [b for r in side for b in r.batches]
-            ranks = fetch(feeder.address, job="side").jobs[0].ranks
             mine = list(first.batches) + [b for r in own for b in r.batches]
+            ranks = fetch(feeder.address, job="side").jobs[0].ranks
         assert [b.cursor for b in copy] == [b.cursor for b in mine] and len(mine) > 5
         assert [r.rank for r in ranks] == [0] and ranks[0].batches_sent == len(mine), ranks   # its own, once
         (v,) = audit([str(ledger)], job="side")

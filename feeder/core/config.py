@@ -406,6 +406,10 @@ class ServeConfig:
     # RESOURCE_EXHAUSTED. 0: fitted to the host (an eighth of its or its cgroup's memory,
     # shared by the --processes, 64 MiB to 16 GiB).
     memory_budget_mb: float = 0.0
+    # A source read (a stream's next message being built) that has not returned for this long is
+    # stuck (a hung filesystem): its streams end UNAVAILABLE so their ranks move, new streams of
+    # its sources are refused here while it lasts, and status, metrics and the log say so.
+    stuck_after_s: float = 10.0
 
     def __post_init__(self):
         if isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float)) \
@@ -435,6 +439,9 @@ class ServeConfig:
         if isinstance(self.cache_max_gb, bool) or not isinstance(self.cache_max_gb, (int, float)) \
                 or not 0 < self.cache_max_gb < float("inf"):
             raise InvalidArgument(f"cache_max_gb must be a positive number of GiB, got {shown(self.cache_max_gb)}")
+        if isinstance(self.stuck_after_s, bool) or not isinstance(self.stuck_after_s, (int, float)) \
+                or not 0 < self.stuck_after_s < float("inf"):
+            raise InvalidArgument(f"stuck_after_s must be a positive number of seconds, got {shown(self.stuck_after_s)}")
         if isinstance(self.scrub_mb_s, bool) or not isinstance(self.scrub_mb_s, (int, float)) \
                 or not 0 <= self.scrub_mb_s < float("inf"):
             raise InvalidArgument(f"scrub_mb_s must be a non-negative number (0: off), got {shown(self.scrub_mb_s)}")

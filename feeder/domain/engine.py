@@ -26,6 +26,7 @@ from feeder.domain.order_store import OrderStore
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.jobs import Job, Jobs, RankState
 from feeder.pipeline.members import Member, Window, share_key
+from feeder.pipeline.reads import Reads, name_threads
 from feeder.pipeline.stream import MemoryBudget, RankStream, default_budget_bytes
 from feeder.domain.siblings import Siblings
 from feeder.sources import Context, Source
@@ -44,7 +45,14 @@ class Engine:
         self.default = next(iter(sources))
         self._mixtures: dict[tuple, MixtureSource] = {}
         self.jobs = Jobs()
-        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch")
+        self.pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="feeder-batch", initializer=name_threads,
+                                       initargs=("feeder-batch",))
+        # The builds in flight on the pool, and the stuck ones (watch_reads, every second).
+        self.reads = Reads()
+        self.stuck: tuple[str, ...] = ()
+        self.stuck_names: frozenset[str] = frozenset()
+        self.load = 0.0
+        self._cpu = (time.monotonic(), _cpu_s())
         # What every stream and members' window of this server may hold built ahead of its peer.
         self.budget = MemoryBudget(int(cfg.memory_budget_mb * 2**20) or default_budget_bytes(cfg.processes))
         self.planner = _started_pool(PLAN_THREADS, "feeder-plan")
@@ -98,6 +106,7 @@ class Engine:
             cache_damaged=sum(cache.damaged_counts().values()),
             cache_problems=tuple(p for p in (self.orders.unusable, packed.problem, snapshot.problem,
                                              self.commits.failed) if p),
+            stuck=self.stuck, load=self.load,
             chunks_changed=sum(self.scrubber.changed.values()) if self.scrubber else 0,
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
@@ -126,6 +135,8 @@ class Engine:
                           failover: bool = False) -> RankStream:
         self.budget.admit(spec)   # RESOURCE_EXHAUSTED while the open streams hold the whole budget
         src = None if spec.mixture else self.source(spec.dataset)
+        names = tuple(n for n, _ in spec.mixture) if spec.mixture else (src.name,)
+        self._refuse_if_stuck(names)
         if not cursor and spec.global_batch == "shrink" and spec.first_step:
             cursor = await self._committed(spec)
         decoded = Cursor.decode(cursor, self.cfg.cursor_secret) if cursor else None
@@ -138,6 +149,7 @@ class Engine:
         # (and a mixture's epoch_samples as the plan filled it in)
         spec = dataclasses.replace(spec, permutation=plan.spec.permutation, epoch_samples=plan.spec.epoch_samples)
         stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize, self.budget)
+        stream.reads, stream.read_names = self.reads, names
         try:
             stream.state = self.jobs.attach(spec, stream)
         except BaseException:
@@ -305,6 +317,43 @@ class Engine:
         if feed:
             st.feed = feed
 
+    def _refuse_if_stuck(self, names: tuple[str, ...]) -> None:
+        """A new stream of a source whose reads are stuck here goes elsewhere (a plain break:
+        the rank's next target, and this one again later)."""
+        stuck = self.stuck_names.intersection(names)
+        if stuck:
+            raise Unavailable(f"feeder in region {self.cfg.region}: reads of {', '.join(sorted(stuck))} have not "
+                              f"returned for over {self.cfg.stuck_after_s:g} s (a hung filesystem?); this feeder "
+                              "takes no new stream of it until they do: try another feeder")
+
+    def watch_reads(self) -> None:
+        """Every second, on the loop: the stuck reads (said once in the log; their streams end
+        UNAVAILABLE so the ranks move), and the process's load."""
+        now = time.monotonic()
+        stuck = self.reads.older_than(self.cfg.stuck_after_s, now)
+        for r in stuck:
+            if not r.told:
+                r.told = True
+                log.error("a read of %s for %s has not returned for %.0f s (a hung filesystem?): its stream ends "
+                          "so the rank moves, and no new stream of it is taken here until it returns",
+                          "+".join(r.names), r.what, now - r.since)
+            for stream in r.streams:
+                if not stream._finished:
+                    stream.end(Unavailable(f"feeder in region {self.cfg.region}: a read of {'+'.join(r.names)} has "
+                                           f"not returned for {now - r.since:.0f} s; resume elsewhere"))
+        if self.stuck and not stuck:
+            log.warning("the stuck reads returned: %s is served again", ", ".join(sorted(self.stuck_names)))
+        self.stuck = tuple(f"{'+'.join(r.names)}: a read for {r.what}, {now - r.since:.0f} s" for r in stuck)
+        self.stuck_names = frozenset(n for r in stuck for n in r.names)
+        t0, c0 = self._cpu
+        c1 = _cpu_s()
+        if now - t0 >= 0.5:
+            # the busier of: this process's CPU against the cores it may use, and its batch
+            # threads (builds in flight against the pool's threads)
+            cpu = (c1 - c0) / (now - t0) / max(1, len(os.sched_getaffinity(0)))
+            self.load = round(max(cpu, self.reads.in_flight() / max(1, self.cfg.threads)), 3)
+            self._cpu = (now, c1)
+
     def rss_mb(self) -> float:
         try:
             with open(f"/proc/{os.getpid()}/statm") as f:
@@ -330,6 +379,11 @@ class Engine:
             src.close()
         if self.ledger:
             self.ledger.close()
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _rank_status(r, region: str) -> RankStatus:

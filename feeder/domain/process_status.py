@@ -82,3 +82,5 @@ class ProcessStatus:
     packings: tuple[str, ...] = ()   # the best-fit packings served (feeder.sources.packed.describe)
     cache_damaged: int = 0       # cache entries found damaged, removed and rebuilt (feeder.sources.cache)
     cache_problems: tuple[str, ...] = ()   # what the cache directory cannot hold, and what is done instead
+    stuck: tuple[str, ...] = ()  # reads that have not returned for --stuck-after-s (Engine.watch_reads)
+    load: float = 0.0            # 0 idle, 1 at capacity (its CPU, or its batch threads all busy)

@@ -94,6 +94,8 @@ def merge(own: pb.StatusReply, others: list[pb.StatusReply]) -> pb.StatusReply:
         out.preparing.extend(p for p in r.preparing if p not in out.preparing)
         out.packings.extend(p for p in r.packings if p not in out.packings)
         out.cache_problems.extend(p for p in r.cache_problems if p not in out.cache_problems)
+        out.stuck.extend(r.stuck)
+        out.load = max(out.load, r.load)   # (the busiest process: where a new rank may land)
         for j in r.jobs:
             # A process that only hears a job's reports knows neither its world size nor its
             # dataset (world_size 0): the record of a process that streamed it says them.

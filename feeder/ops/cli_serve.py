@@ -20,7 +20,7 @@ SERVE_FLAGS = {"listen": "listen", "region": "region",
                "processes": "processes", "sibling_dir": "sibling_dir", "process_index": "process_index",
                "reuse_port": "reuse_port", "column": "column", "dtype": "token_dtype", "index": "index",
                "cache_dir": "cache_dir", "cache_max_gb": "cache_max_gb", "scrub_mb_s": "scrub_mb_s",
-               "memory_budget_mb": "memory_budget_mb"}
+               "memory_budget_mb": "memory_budget_mb", "stuck_after_s": "stuck_after_s"}
 
 
 def serve_config(args):
@@ -203,6 +203,9 @@ def add_serve(sub) -> None:
     s.add_argument("--index", help="the `feeder index` sidecar, when it is not next to the data")
     s.add_argument("--scrub-mb-s", type=float, help="re-hash the chunks already verified at this many MB/s in the "
                    "background; a chunk found changed is DATA_LOSS from then on (default 16; 0: off)")
+    s.add_argument("--stuck-after-s", type=float, help="a source read that has not returned for this long is stuck "
+                   "(a hung filesystem): its streams end UNAVAILABLE so their ranks move elsewhere, and new streams "
+                   "of that source are refused here until it returns (default 10)")
     s.add_argument("--log-format", choices=["text", "json"])
     s.add_argument("--ledger", help="append one JSON line per delivered batch (for `feeder audit`)")
     s.add_argument("--cache-dir", help="where what is built once is kept and shared by every feeder and process "

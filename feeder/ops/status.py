@@ -39,7 +39,7 @@ def render(reply, target: str):
     # Cache entries found damaged were rebuilt, not served; still a sign of a failing disk or host.
     changed += f"  cache damaged={reply.cache_damaged} (rebuilt)" if reply.cache_damaged else ""
     t = Table(title=f"feeder {target}  region={reply.region}{procs}  up {reply.uptime_s:.0f}s  "
-                    f"streams={reply.streams_open}  rss={reply.rss_mb:.0f} MB  "
+                    f"streams={reply.streams_open}  load={reply.load:.2f}  rss={reply.rss_mb:.0f} MB  "
                     f"scrubbed={reply.scrubbed_bytes / 2**20:.0f} MiB{changed}", title_justify="left")
     left = ("job", "dataset", "region", "state", "last error")
     for col in ("job", "dataset", "rank", "region", "state", "epoch", "taken", "sent ahead", "tokens/s", "queue",
@@ -67,6 +67,8 @@ def render(reply, target: str):
         t.caption = "\n".join(["packing: " + p for p in reply.packings] + ([t.caption] if t.caption else []))
     if reply.cache_problems:   # served, but not from the cache: the operator has something to fix
         t.caption = "\n".join(["CACHE: " + p for p in reply.cache_problems] + ([t.caption] if t.caption else []))
+    if reply.stuck:   # reads that never returned: those streams were ended, new ones go elsewhere
+        t.caption = "\n".join(["STUCK READ: " + s for s in reply.stuck] + ([t.caption] if t.caption else []))
     if reply.preparing:   # streams wait for these before their first batch
         t.caption = "\n".join(["preparing: " + p for p in reply.preparing] + ([t.caption] if t.caption else []))
     return t

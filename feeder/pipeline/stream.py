@@ -25,6 +25,7 @@ from feeder.core.errors import FailedPrecondition, FeederError, ResourceExhauste
 from feeder.core.planning import PENDING, Pending, PlannedRun
 from feeder.pipeline.batcher import Block, block_from_runs
 from feeder.pipeline.jobs import RankState
+from feeder.pipeline.reads import Reads
 from feeder.sources import Plan
 
 log = logging.getLogger("feeder.stream")
@@ -268,6 +269,10 @@ class RankStream:
         # A member of a model-parallel rank (spec.members > 1) takes its messages from the
         # rank's Window while it is within it (pipeline/members.py).
         self.member = None
+        # Where its builds are recorded while their threads run them, and the sources they read
+        # (set by the engine: a build that never returns is a stuck read, pipeline/reads.py).
+        self.reads: Reads | None = None
+        self.read_names: tuple[str, ...] = ()
 
     def supersede(self) -> None:
         """A newer stream of the same slot took over: end this one with a clear reason."""
@@ -306,6 +311,13 @@ class RankStream:
     def _build_message(self) -> tuple[Block, bytes] | None:
         return self._build.build()
 
+    async def _build_next(self, loop):
+        if self.reads is None:
+            return await loop.run_in_executor(self.pool, self._build_message)
+        s = self.spec
+        return await self.reads.run(self.pool, self._build_message, names=self.read_names,
+                                    what=f"job {s.job} rank {s.rank}", streams=(self,))
+
     async def _produce(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
@@ -321,7 +333,7 @@ class RankStream:
                     await self._changed.wait()
                     if self._finished:
                         return
-                built = await loop.run_in_executor(self.pool, self._build_message)
+                built = await self._build_next(loop)
                 if self._finished:
                     return
                 if built is WAITING:

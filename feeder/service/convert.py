@@ -152,7 +152,7 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            processes=status.processes, chunks_changed=status.chunks_changed,
                            scrubbed_bytes=status.scrubbed_bytes, building=status.building, preparing=status.preparing,
                            packings=status.packings, cache_damaged=status.cache_damaged,
-                           cache_problems=status.cache_problems)
+                           cache_problems=status.cache_problems, stuck=status.stuck, load=status.load)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size, elastic=j.elastic,
                             streams_open=j.streams_open)
@@ -189,6 +189,9 @@ def scoped_status(reply: pb.StatusReply, job: str = "") -> pb.StatusReply:
         del reply.building[:]
         del reply.preparing[:]
         del reply.cache_problems[:]   # (the process's directory: the operator's)
+        stuck = [x for x in reply.stuck if sc.dataset(x.partition(":")[0].split("+")[0])]   # (its datasets')
+        del reply.stuck[:]
+        reply.stuck.extend(stuck)
         reply.streams_open = sum(j.streams_open for j in keep)
         for name in PROCESS_WIDE:
             reply.ClearField(name)
@@ -201,4 +204,6 @@ def info_reply(engine: Engine, src: Source, fingerprint: str) -> pb.InfoReply:
                         vocab_size=src.vocab_size, eos_id=src.eos_id, dtype=DTYPE_ENUM[src.dtype.name],
                         region=engine.cfg.region, version=engine.version,
                         datasets=scope.current().names(engine.sources, "dataset"),
-                        peers=dict(engine.cfg.peers))
+                        peers=dict(engine.cfg.peers), load=engine.load,
+                        # (the caller's datasets' only: another team's are not named)
+                        stuck=[s for s in engine.stuck if scope.current().names(s.partition(":")[0].split("+"), "dataset")])

@@ -40,6 +40,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_failovers_total": ("counter", "Streams a client opened here because its previous stream broke",
                                RANK),
     "feeder_rank_connected": ("gauge", "1 while the rank has an open stream here", RANK),
+    "feeder_stuck_reads": ("gauge", "Source reads of this process that have not returned for --stuck-after-s "
+                           "(a hung filesystem); their streams were ended and new ones of their sources are refused",
+                           ()),
+    "feeder_load": ("gauge", "This process's load: 0 idle, 1 at capacity (its CPU against the cores it may use, or "
+                    "its batch threads all busy)", ()),
     "feeder_rank_moves_total": ("counter", "Times the rank's client moved to another feeder: after an error, off a "
                                 "slow or stuck one, or back after a failback (reported)", RANK),
     "feeder_hedged_bytes_total": ("counter", "Bytes of hedged copies the rank's client received and dropped "
@@ -172,6 +177,8 @@ class EngineCollector:
         fam["feeder_jobs"].add_metric([], len(e.jobs.jobs))
         fam["feeder_resident_memory_bytes"].add_metric([], e.rss_mb() * 2**20)
         fam["feeder_memory_budget_bytes"].add_metric([], e.budget.limit)
+        fam["feeder_stuck_reads"].add_metric([], len(e.stuck))
+        fam["feeder_load"].add_metric([], e.load)
         fam["feeder_memory_budget_used_bytes"].add_metric([], e.budget.used)
         fam["feeder_memory_budget_refused_total"].add_metric([], e.budget.refused)
         fam["feeder_info"].add_metric([e.version, e.cfg.region], 1.0)

@@ -54,6 +54,7 @@ class Server:
         self.tokens = None
         self.certificates = None
         self._publisher: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg = self.cfg
@@ -113,9 +114,19 @@ class Server:
                                              if isinstance(s, PosixSource)}, cfg.scrub_mb_s)
         if self.engine.siblings is not None:
             self._publisher = asyncio.create_task(self._publish_status())
+        self._watcher = asyncio.create_task(self._watch_reads())
         for name in ("", SERVICE):
             await _set(self.health, name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
+
+    async def _watch_reads(self) -> None:
+        """Stuck reads and the process's load, every second (Engine.watch_reads)."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.engine.watch_reads()
+            except Exception:   # a bug here must not end the watch (nor the server)
+                log.exception("watching the reads failed")
 
     async def _publish_status(self) -> None:
         """Leave this process's status for the other processes of this port: every second, and
@@ -154,6 +165,8 @@ class Server:
             self.engine.scrubber.stop()
         if self.server is not None:
             await self.server.stop(self.cfg.grace_s if grace is None else grace)
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._publisher is not None:
             self._publisher.cancel()
             self.engine.siblings.withdraw()

@@ -35,14 +35,14 @@ from feeder.core.errors import FeederError
 from feeder.v1 import feeder_pb2 as pb
 
 from .delivery import Delivery
-from .policy import rtt_step
+from .policy import OVERLOADED, rtt_step
 
 log = logging.getLogger("feeder_client")
 
 PROBE_S = 3.0            # a probe of a held target reads for at most this long ...
 PROBE_BATCHES = 24       # ... or until this many batches arrived after its first reply
 HEDGE_MIN_BATCHES = 8    # a hedge is judged (move there or not) after this many batches handed over
-LOAD_AVOIDED = 1.0       # a target whose load is above this is taken only when no other will do
+LOAD_AVOIDED = OVERLOADED   # a target whose load is above this is taken only when no other will do
 
 
 @dataclass
@@ -181,6 +181,13 @@ class Gray:
                 return None
         with ThreadPoolExecutor(len(targets)) as ex:
             return dict(zip(targets, ex.map(ask, targets)))
+
+    def avoid(self, targets: list[str]) -> frozenset[str]:
+        """Of `targets`, those overloaded or stuck on this rank's data (by each one's Info)."""
+        if not targets:
+            return frozenset()
+        info = self._info(targets)
+        return frozenset(t for t, i in info.items() if i is not None and (i.load > LOAD_AVOIDED or self._stuck(i)))
 
     def _stuck(self, info) -> bool:
         names = {n for n, _ in self.c.cfg.spec.mixture} or {self.c.cfg.spec.dataset}

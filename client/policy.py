@@ -64,11 +64,20 @@ def rtt_step(rtt_s: float) -> float:
     return math.floor(math.log(max(rtt_s, 2e-3) / 2e-3, 1.5))
 
 
-def order_targets(targets: list[str], rtt_s: dict[str, float], prefer: str) -> list[str]:
+# A feeder whose load is above this is overloaded (its CPU, or its batch threads, behind): a rank
+# takes it only when no feeder as near is less loaded.
+OVERLOADED = 1.0
+
+
+def order_targets(targets: list[str], rtt_s: dict[str, float], prefer: str,
+                  avoid: frozenset[str] = frozenset()) -> list[str]:
     """Targets in the order to try them. "rtt": a stable sort on rtt_step, so feeders of one
     datacenter (or about equally far) keep the order given, a clearly nearer region goes first,
-    and unreachable ones go last. "order": as given."""
-    return sorted(targets, key=lambda t: rtt_step(rtt_s[t])) if prefer == "rtt" else list(targets)
+    and unreachable ones go last; among those as near, the ones to `avoid` (overloaded, or
+    saying their reads of the rank's data are stuck) after the others. "order": as given."""
+    if prefer != "rtt":
+        return list(targets)
+    return sorted(targets, key=lambda t: (rtt_step(rtt_s[t]), t in avoid))
 
 
 @dataclass(frozen=True)

@@ -291,10 +291,13 @@ class FeederClient(Handing):
         with ThreadPoolExecutor(len(self.targets)) as ex:
             rtts = list(ex.map(self.transport.rtt, self.targets))
         self.rtt_s = dict(zip(self.targets, rtts))
+        # and how each is doing: a new rank prefers, among feeders as near, one that is neither
+        # overloaded nor stuck on its data (each one's Info; a feeder that predates them says 0)
+        avoid = self.gray.avoid([t for t, rtt in self.rtt_s.items() if rtt != float("inf")])
         self._answered.update(t for t, rtt in self.rtt_s.items() if rtt != float("inf"))
         if self._answered:
             self.policy.reached()
-        self.targets[:] = order_targets(self.targets, self.rtt_s, self.cfg.prefer)   # the policy's list too
+        self.targets[:] = order_targets(self.targets, self.rtt_s, self.cfg.prefer, avoid)   # the policy's list too
         names = dict(zip(self.cfg.targets, self.cfg.regions or self.cfg.targets))
         log.info("rank %d targets, in order: %s", self.cfg.spec.rank, ", ".join(
             f"{names[t]} {self.rtt_s[t] * 1e3:.1f} ms" if self.rtt_s[t] != float("inf") else f"{names[t]} (down)"

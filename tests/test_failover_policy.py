@@ -177,3 +177,11 @@ def test_a_failure_is_worth_a_log_line_once_per_target_until_it_changes_or_a_bat
     assert p.worth_logging(B, "refused") and p.worth_logging(A, "reset") and not p.worth_logging(A, "reset")
     p.batch_received()
     assert p.worth_logging(A, "reset")
+
+
+def test_among_targets_as_near_an_overloaded_or_stuck_one_goes_after_the_others():
+    rtt = {A: 0.001, B: 0.0012, C: 0.2}
+    assert order_targets([A, B, C], rtt, "rtt", avoid=frozenset({A})) == [B, A, C]
+    assert order_targets([A, B, C], rtt, "rtt", avoid=frozenset({A, B})) == [A, B, C]
+    assert order_targets([C, A, B], rtt, "rtt", avoid=frozenset({B})) == [A, B, C], "nearer first, whatever its load"
+    assert order_targets([A, B], rtt, "order", avoid=frozenset({A})) == [A, B]

@@ -217,6 +217,13 @@ def test_regression_seed_600466_a_resharded_rank_starting_a_new_pass_ahead_of_th
     _run(600466)
 
 
+def test_regression_soak_seed_4510053_a_hedged_read_does_not_replace_the_ranks_own_stream(request):
+    """Slow, not dead (issue 45): a feeder stuck, then slowed; the rank hedging over three
+    feeders of a Kafka mixture. Its hedge landed on the feeder it had just failed over to, and
+    replaced its own stream there (FAILED_PRECONDITION) while side streams took a slot."""
+    _run(4510053, request)
+
+
 def test_regression_soak_seed_330157_a_superseded_ranks_member_errors_are_written_to_its_log():
     """Soak seed 330157 (and 330081): a rank's members, replaced along with it (FAILED_PRECONDITION),
     left errors keyed by (kind, index), which its JSON log could not hold: the rank crashed in

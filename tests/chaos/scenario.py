@@ -339,6 +339,17 @@ _pin(
         heal_ms=0, hold_ms=0, detail='4'), Fault(kind='repass', at_batch=38, at_ms=0, rank=7, target=1, heal_ms=0,
         hold_ms=0, detail=''))))
 
+# Soak seed 4510053 (--kinds slow,stuck; issue 45): a hedged read opened on the feeder the rank
+# had just failed over to replaced the rank's own stream there (side streams took a slot).
+_pin(
+        Scenario(seed=4510053, n_docs=60, seq_len=24, micro_batch=2, world=1, workers=0, persistent=False, context='',
+        num_epochs=0, take=73, start_epoch=0, shuffle=True, drop_last=True, data_seed=684, compression='',
+        link_kbps=0, message_bytes=256, prefetch_messages=2, read_ahead=8, targets=3, processes=1, spread=True,
+        failback_s=1.0, step_ms=5, ckpt_every=7, faults=(Fault(kind='stuck', at_batch=0, at_ms=525, rank=0,
+        target=0, heal_ms=3000, hold_ms=0, detail=''), Fault(kind='slow', at_batch=53, at_ms=0, rank=0, target=0,
+        heal_ms=6000, hold_ms=0, detail='')), mixture=(('s0', 1.0, 60), ('s1', 0.3, 60), ('s2', 0.3, 60)),
+        permutation='stateless', packing='concat', kafka=(0, 1), hedge=True))
+
 
 # Fixed scenarios of a mixture over 10^9 positions and more (issue 25), past 2^31 and 2^32:
 # the ranks take a few hundred samples from anywhere in such an epoch (the stateless order, or

@@ -74,7 +74,7 @@ kafka-stop:
 # Toxiproxy for the WAN tests, built from the Go module proxy into ~/.cache/feeder/toxiproxy
 # (kept across runs); without Go the tests use their user-space proxy instead.
 toxiproxy: env
-	@$(PY) -c "from tests.wanproxy import ensure_toxiproxy as e; p = e(); \
+	@$(PY) -c "from feeder_bench.wanproxy import ensure_toxiproxy as e; p = e(); \
 	print('toxiproxy:', p or 'no Go here, the WAN tests use the user-space proxy')"
 
 # Three regions on this host (deploy/local/): us-east, eu-west, ap-south on 127.0.0.1:7101-7103.

@@ -1,7 +1,7 @@
 """Slow, not dead (issue 45): what one slow feeder of two costs a rank, before and after.
 
 Two `feeder serve` processes on the same data, each behind a proxy (Toxiproxy when `make
-toxiproxy` built it, else tests/wanproxy.py's user-space one); the first listed, where the rank
+toxiproxy` built it, else bench/wanproxy.py's user-space one); the first listed, where the rank
 starts, carries a quarter of what the rank consumes (a bandwidth toxic). The rank takes one
 micro_batch x seq_len batch every STEP_MS and "trains" in between. Four runs of `SECONDS`:
 
@@ -65,7 +65,7 @@ def _run(links: list[str], cfg: BenchConfig, name: str, **kw) -> dict:
 
 
 def gray_figures(cfg: BenchConfig, data: dict) -> dict:
-    from tests.wanproxy import start_proxies
+    from .wanproxy import start_proxies
 
     feeders = [Feeder(data["shards"], message_bytes=cfg.message_bytes, extra=["--region", r]) for r in ("a", "b")]
     proxies = start_proxies()

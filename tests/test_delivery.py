@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from client.delivery import Delivery
-from client.policy import Policy
+from feeder_client.delivery import Delivery
+from feeder_client.policy import Policy
 
 
 def feed(d: Delivery, t0: float, t1: float, *, step: float, wait: float, net: float, arrive: int = 1) -> float:

@@ -1,7 +1,7 @@
 """The runner: a scenario against real `feeder serve` processes and real rank processes.
 
 Feeders are subprocesses on fixed ports (a killed one comes back on its port), each with
-`--ledger`; proxies (tests/wanproxy.py) sit between ranks and feeders when the scenario
+`--ledger`; proxies (bench/wanproxy.py) sit between ranks and feeders when the scenario
 resets or blackholes links. Ranks are processes forked from a forkserver that preloaded
 tests.chaos.rank. The runner's loop waits on the ranks' pipes and exits and on its timers:
 a rank that reaches a fault's position pauses, the runner injects the fault and lets it go;
@@ -279,7 +279,7 @@ def proxies():
     if _PROXIES is None:
         import atexit
 
-        from tests.wanproxy import start_proxies
+        from feeder_bench.wanproxy import start_proxies
 
         _PROXIES = start_proxies()
         atexit.register(_PROXIES.close)

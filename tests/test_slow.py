@@ -137,7 +137,7 @@ def test_hedged_reads_keep_8_ranks_fed_past_a_slow_feeder_and_no_sample_is_deliv
 
     stream = byte_stream(wan_docs)
     world, seed = 8, 12
-    EPOCHS = 40     # of ~10 batches per rank: some 8 s of training
+    EPOCHS = 30     # of ~10 batches per rank: some 6 s of training
     ledgers = [tmp_path / f"ledger-{r}.jsonl" for r in ("a", "b")]
     feeders = [FeederProc(wan_dataset, extra=[*FEEDER_FLAGS, "--compression", "none", "--region", r,
                                                "--ledger", str(led)]) for r, led in zip(("a", "b"), ledgers)]

@@ -59,7 +59,9 @@ def test_a_feeder_with_a_stuck_read_ends_the_stream_refuses_new_ranks_and_serves
         moved_at = loop.log[-1][0]
         st = fetch(a.address)
         assert st.stuck and st.stuck[0].startswith(f"{os.path.basename(wan_dataset)}: a read for job stuck rank 0")
-        assert feeder_info(a.address).stuck == list(st.stuck)
+        info = feeder_info(a.address)
+        assert info.stuck == list(st.stuck)
+        assert info.load > 0 and st.load > 0   # (its builds queued behind stopped threads)
         import urllib.request
         with urllib.request.urlopen(f"http://{a.metrics}/metrics", timeout=10) as r:
             assert "feeder_stuck_reads 1.0" in r.read().decode()

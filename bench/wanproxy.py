@@ -124,9 +124,17 @@ class ToxiProxy:
             self._toxic("timeout", stream, timeout=0)  # 0: drop everything, never close
 
     def clear(self) -> None:
-        for name in self.toxics:
-            self.api._call("DELETE", f"/proxies/{self.name}/toxics/{name}")
-        self.toxics.clear()
+        """Every toxic removed, the newest first. Toxiproxy hands a removed toxic's chunks on to
+        the toxic after it in the chain, and drops a chunk that one does not take within 5 s
+        (v2.12.0 link.go RemoveToxic: "Could not write last packets after interrupt to
+        Output"). Removed oldest first, a `slow` link (a 2 KB/s toxic after its own 32 KB/s
+        one) lost the 32 KB/s toxic's chunks: whole HTTP/2 frames, so whole gRPC messages went
+        missing from a stream that stayed open and ranks skipped batches without a reconnect
+        (chaos seed 4510274 --kinds slow,stuck). The newest removed first, a removed toxic is
+        the last of its chain: its chunks go straight to the rank's socket."""
+        while self.toxics:   # (the list stays what the proxy has if a DELETE fails)
+            self.api._call("DELETE", f"/proxies/{self.name}/toxics/{self.toxics[-1]}")
+            self.toxics.pop()
 
 
 # ---- the user-space fallback -------------------------------------------------------------

@@ -42,6 +42,11 @@ class FeederDataset(IterableDataset):
             (0: the sources' samples summed); remix=True continues a cursor of another mixture
             under this one. Each batch then has `sources` (the index of each sample's source in
             this mixture) and `sample_ids` within that source. docs/mixtures.md has the rules.
+        mixture_schedule: weights that change with training progress instead of `mixture`'s
+            fixed ones: {"unit": "samples"|"tokens", "segment": [{"until": N, "weights": {...},
+            "to": {...}}, ..., {"weights": {...}}]} (each segment constant, or linear to `to`),
+            or the path of a TOML file of that. An operator may change it live (feeder mix).
+            docs/mixtures.md, "Schedules".
         permutation: the epoch's order. "torch" (the default): exactly torch.randperm's, as this
             process's torch release draws it, so the ids are a local DistributedSampler's; the
             feeder builds it once per epoch (O(n), ahead of need, shared). "stateless": a seeded
@@ -93,7 +98,8 @@ class FeederDataset(IterableDataset):
                  epoch_samples: int = 0, remix: bool = False, permutation: str = "torch",
                  connect_timeout_s: float = 30.0, boundaries: bool = False, packing: str = "concat",
                  member: int = 0, members: int = 1, cp_rank: int = 0, cp_size: int = 1, cp_layout: str = "zigzag",
-                 slow_wait: float = 0.05, slow_window_s: float = 3.0, slow_hold_s: float = 15.0, hedge: bool = False):
+                 slow_wait: float = 0.05, slow_window_s: float = 3.0, slow_hold_s: float = 15.0, hedge: bool = False,
+                 mixture_schedule=None):
         # Mesh arithmetic gives numpy or torch integers: taken as the ints they are (a float or a
         # bool is still refused by StreamSpec, saying what was expected).
         rank, world_size, seq_len, micro_batch, member, members, cp_rank, cp_size = (
@@ -109,7 +115,8 @@ class FeederDataset(IterableDataset):
                                compression_level=compression_level, reshard=reshard,
                                expected_fingerprint=expected_fingerprint, dataset=dataset,
                                bad_records=bad_records, client_started_ns=process_started_ns(),
-                               mixture=mixture_pairs(mixture), remix=remix, permutation=permutation,
+                               mixture=mixture_pairs(mixture, mixture_schedule, seq_len), remix=remix,
+                               mixture_schedule=schedule_text(mixture_schedule, seq_len), permutation=permutation,
                                boundaries=boundaries, packing=packing, member=member, members=members,
                                cp_rank=cp_rank, cp_size=cp_size, cp_layout=cp_layout,
                                epoch_samples=int(epoch_samples) if hasattr(epoch_samples, "__index__")
@@ -237,8 +244,36 @@ def _remove_anchor(path: str, owner: int) -> None:
             pass
 
 
-def mixture_pairs(mixture) -> tuple[tuple[str, float], ...]:
-    """A mixture as StreamSpec takes it: {name: weight} or [(name, weight), ...], in order."""
+def schedule_text(schedule, seq_len) -> str:
+    """A mixture schedule as StreamSpec takes it (its canonical JSON; "" for none): a table of
+    [[segment]]s (feeder.core.schedule.parse), a list of segments, or a TOML file's path."""
+    if schedule is None or schedule == "":
+        return ""
+    from feeder.core import schedule as sc
+
+    if isinstance(schedule, str):
+        if schedule.lstrip().startswith("{"):   # (already canonical: a spec passed on)
+            return sc.Schedule.from_canonical(schedule).canonical()
+        from feeder.core.config import load_toml
+
+        schedule = load_toml(schedule)
+    return sc.parse(schedule, seq_len=seq_len if isinstance(seq_len, int) else 0).canonical()
+
+
+def mixture_pairs(mixture, schedule=None, seq_len=0) -> tuple[tuple[str, float], ...]:
+    """A mixture as StreamSpec takes it: {name: weight} or [(name, weight), ...], in order. With a
+    schedule, its sources and first weights (a `mixture` given too must name the same sources)."""
+    if schedule is not None and schedule != "":
+        from feeder.core import schedule as sc
+
+        sched = sc.Schedule.from_canonical(schedule_text(schedule, seq_len))
+        pairs = tuple(zip(sched.names, sched.segments[0].weights))
+        if mixture is not None and tuple(n for n, _ in mixture_pairs(mixture)) != sched.names:
+            from feeder.core.errors import InvalidArgument
+
+            raise InvalidArgument(f"mixture and mixture_schedule name other sources: {[n for n, _ in mixture_pairs(mixture)]}"
+                                  f" and {list(sched.names)}; give the schedule alone")
+        return pairs
     if mixture is None:
         return ()
     import numbers

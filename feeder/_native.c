@@ -1022,6 +1022,132 @@ static PyObject *blend_couple(PyObject *self, PyObject *args) {
     return PyLong_FromLong(live);
 }
 
+/* Scheduled blending (feeder/core/schedule.py has the rule): segment k, active from at[k],
+ * gives T_d(x) = D[k,d] + u * (a[k,d] + u * h[k,d]) with u = x - start[k] (x = max(slot, 1));
+ * slot j goes to the source with the largest T_d - count_d, ties to the lowest d. The same
+ * double arithmetic as the module's (no fused multiply-add: -ffp-contract=off in setup.py), so
+ * a feeder with or without this extension makes the same draws. sched_checkpoints fills rows
+ * first_row + 1 .. rows - 1 of table (row r: counts before slot r * every) as blend_checkpoints
+ * does; sched_at answers slots given in ascending order, scanning each row once. */
+typedef struct { const int64_t *at, *start; const double *D, *a, *h; Py_ssize_t S, nd; } Sched;
+
+static Py_ssize_t sched_seg(const Sched *s, int64_t x) {
+    Py_ssize_t lo = 0, hi = s->S - 1;
+    while (lo < hi) { Py_ssize_t mid = (lo + hi + 1) / 2; if (s->at[mid] <= x) lo = mid; else hi = mid - 1; }
+    return lo;
+}
+
+/* The counts before slot `end` from those before slot i; with `want` (ascending slots in
+ * [i, end]), the source and draw of each of them into so/dv (advancing *k). */
+static void sched_scan(const Sched *s, int64_t *count, int64_t i, int64_t end,
+                       const int64_t *want, Py_ssize_t nwant, Py_ssize_t *k, int64_t *so, int64_t *dv) {
+    Py_ssize_t nd = s->nd;
+    while (i < end || (want && *k < nwant && want[*k] == i)) {
+        Py_ssize_t g = sched_seg(s, i);
+        int64_t stop = (g + 1 < s->S && s->at[g + 1] <= end) ? s->at[g + 1] : end + 1;
+        const double *D = s->D + g * nd, *A = s->a + g * nd, *H = s->h + g * nd;
+        int64_t from = s->start[g];
+        for (; i < stop; i++) {
+            double u = (double)((i > 1 ? i : 1) - from);
+            Py_ssize_t best = 0;
+            double err = (D[0] + u * (A[0] + u * H[0])) - (double)count[0];
+            for (Py_ssize_t d = 1; d < nd; d++) {
+                double e = (D[d] + u * (A[d] + u * H[d])) - (double)count[d];
+                int more = e > err;
+                best = more ? d : best;
+                err = more ? e : err;
+            }
+            if (want) {
+                while (*k < nwant && want[*k] == i) { so[*k] = best; dv[*k] = count[best]; (*k)++; }
+            }
+            if (i == end) return;   /* (slot `end` itself only looked at, not counted) */
+            count[best]++;
+        }
+    }
+}
+
+static int sched_parse(PyObject *args, Py_buffer *b, Sched *s, Py_ssize_t *used) {
+    /* at i8[S], start i8[S], D f8[S,K], a f8[S,K], h f8[S,K] are the first five buffers */
+    s->S = b[0].len / 8;
+    s->nd = s->S ? b[2].len / (8 * s->S) : 0;
+    if (s->S < 1 || s->nd < 1 || b[1].len != b[0].len || b[2].len != s->S * s->nd * 8 || b[3].len != b[2].len
+        || b[4].len != b[2].len) return -1;
+    s->at = b[0].buf; s->start = b[1].buf; s->D = b[2].buf; s->a = b[3].buf; s->h = b[4].buf;
+    *used = 5;
+    return 0;
+}
+
+static PyObject *sched_checkpoints(PyObject *self, PyObject *args) {
+    Py_buffer b[8] = {{0}};
+    long long every, first;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*LLw*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &every, &first, &b[6]))
+        return NULL;
+    Sched s;
+    Py_ssize_t used;
+    int stopped = 0, bad = sched_parse(args, b, &s, &used) < 0;
+    Py_ssize_t rows = bad ? 0 : b[5].len / (8 * s.nd);
+    if (!bad && (b[5].len != rows * s.nd * 8 || every < 1 || first < 0 || first >= rows || b[6].len < 16)) bad = 1;
+    int64_t *count = bad ? NULL : PyMem_RawMalloc(s.nd * 8);
+    if (!bad && count) {
+        int64_t *tab = b[5].buf;
+        volatile int64_t *prog = (volatile int64_t *)b[6].buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t d = 0; d < s.nd; d++) count[d] = tab[first * s.nd + d];
+        for (Py_ssize_t r = first + 1; r < rows; r++) {
+            sched_scan(&s, count, (int64_t)(r - 1) * every, (int64_t)r * every, NULL, 0, NULL, NULL, NULL);
+            for (Py_ssize_t d = 0; d < s.nd; d++) tab[r * s.nd + d] = count[d];
+            prog[0] = r;
+            if (prog[1]) { stopped = 1; break; }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_RawFree(count);
+    for (int j = 0; j < 7; j++) PyBuffer_Release(&b[j]);
+    if (bad) { PyErr_SetString(PyExc_ValueError, "sched_checkpoints(at, start, D, a, h, table, every, first_row, progress)"); return NULL; }
+    if (!count) return PyErr_NoMemory();
+    return PyBool_FromLong(stopped);
+}
+
+static PyObject *sched_at(PyObject *self, PyObject *args) {
+    Py_buffer b[9] = {{0}};
+    long long every;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*Ly*w*w*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &every, &b[6],
+                          &b[7], &b[8]))
+        return NULL;
+    Sched s;
+    Py_ssize_t used, m = b[6].len / 8;
+    int bad = sched_parse(args, b, &s, &used) < 0;
+    Py_ssize_t rows = bad ? 0 : b[5].len / (8 * s.nd);
+    if (!bad && (every < 1 || b[7].len != b[6].len || b[8].len != b[6].len)) bad = 1;
+    int64_t *count = bad ? NULL : PyMem_RawMalloc(s.nd * 8);
+    if (!bad && !count) bad = 2;
+    if (!bad) {
+        const int64_t *tab = b[5].buf, *slots = b[6].buf;
+        int64_t *so = b[7].buf, *dv = b[8].buf;
+        Py_BEGIN_ALLOW_THREADS
+        Py_ssize_t k = 0;
+        while (k < m && !bad) {
+            int64_t sl = slots[k], r = sl / every;
+            if (sl < 0 || r >= rows || (k && sl < slots[k - 1])) { bad = 3; break; }
+            for (Py_ssize_t d = 0; d < s.nd; d++) count[d] = tab[r * s.nd + d];
+            int64_t end = sl, i = r * every;
+            Py_ssize_t j = k;   /* the wanted slots in this row */
+            while (j < m && slots[j] / every == r) { end = slots[j]; j++; }
+            sched_scan(&s, count, i, end, slots, j, &k, so, dv);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_RawFree(count);
+    for (int j = 0; j < 9; j++) PyBuffer_Release(&b[j]);
+    if (bad == 2) return PyErr_NoMemory();
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, bad == 3 ? "sched_at: slots must be ascending and within the checkpoints"
+                        : "sched_at(at, start, D, a, h, table, every, slots i8[m], src i8[m] out, draw i8[m] out)");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* StreamReply.sources (field 3), a mixture's: one entry per batch, batch j's sources as int64
  * (little-endian, as the ids are written), an empty batch an empty entry (a repeated field keeps
  * it, so entry j stays batch j's). feeder/service/wire.py has the same in numpy. */
@@ -1443,6 +1569,8 @@ static PyMethodDef methods[] = {
     {"sources", sources_field, METH_VARARGS, "sources(src i8[n], counts i8[k]) -> StreamReply.sources, entry j batch j's"},
     {"blend_checkpoints", blend_checkpoints, METH_VARARGS, "Megatron's blending counts every `every` slots"},
     {"blend_at", blend_at, METH_VARARGS, "Megatron's blending at given slots, from checkpoints"},
+    {"sched_checkpoints", sched_checkpoints, METH_VARARGS, "a scheduled blending's counts every `every` slots"},
+    {"sched_at", sched_at, METH_VARARGS, "a scheduled blending at given ascending slots, from checkpoints"},
     {"blend_couple", blend_couple, METH_VARARGS, "Megatron's blending counts at a slot, by coupling from the past"},
     {"pieces", pieces, METH_VARARGS, "pieces(bufs, which, offs, lens, dest, out): variable-length rows into out"},
     {"best_fit", best_fit, METH_VARARGS,

@@ -320,6 +320,33 @@ def _add_status(sub) -> None:
     s.set_defaults(fn=cmd_status)
 
 
+def _add_mix(sub) -> None:
+    s = sub.add_parser("mix", help="change a running job's mixture schedule live",
+                       description="Replace a running job's mixture schedule from a point on, without a restart: "
+                                   "every rank switches at the same progress, past every sample any of the feeders "
+                                   "had planned, so nothing already sent changes (docs/mixtures.md, \"Live changes\")."
+                                   " Name every feeder serving the job with --target. Needs a token with the job's "
+                                   "scope where the feeders ask for tokens. Exit 0 when every feeder took the "
+                                   "change; 2, with one line, otherwise.")
+    s.add_argument("job")
+    s.add_argument("--schedule", required=True, help="TOML file of the new schedule ([[segment]] tables, as "
+                   "mixture_schedule takes)")
+    s.add_argument("--target", action="append", required=True, help="feeder HOST:PORT (repeat for each)")
+    s.add_argument("--relative", action="store_true", help="count the schedule's `until`s from where the change "
+                   "takes effect, not from the job's start")
+    s.add_argument("--seq-len", type=int, default=0, help="the job's seq_len, for a schedule in tokens")
+    _client_security_flags(s)
+    s.set_defaults(fn=cmd_mix)
+
+
+def cmd_mix(args) -> int:
+    from feeder.ops.mix import mix
+
+    mix(args.target, args.job, args.schedule, relative=args.relative, seq_len=args.seq_len,
+        security=client_security(args))
+    return 0
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """`feeder`'s parser; given the arguments it will parse, it reads the installed plugin
     commands only when they do not name a built-in one (reading entry points costs every start
@@ -337,6 +364,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_health(sub)
     _add_audit(sub)
     _add_status(sub)
+    _add_mix(sub)
     if not argv or argv[0] not in sub.choices:
         add_plugin_commands(sub)
     return p

@@ -168,6 +168,9 @@ class StreamSpec:
     mixture: tuple[tuple[str, float], ...] = ()
     epoch_samples: int = 0
     remix: bool = False
+    # A scheduled mixture's schedule (feeder.core.schedule's canonical JSON; "": fixed weights).
+    # `mixture` then names its sources, with the first segment's weights.
+    mixture_schedule: str = ""
     # The epoch's order (feeder.core.order.kinds()): torch's randperm as the client's torch release
     # draws it ("torch" from 2.7, "torch-legacy" before; "" from an older client), or "stateless".
     permutation: str = ""
@@ -213,6 +216,7 @@ class StreamSpec:
             raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
                                   f"got {self.epoch} + {self.num_epochs}")
         _mixture(self.mixture, self.dataset)
+        self._check_schedule()
         _non_negative("epoch_samples", self.epoch_samples, upper=MAX_EPOCH_SAMPLES)
         for flag in ("shuffle", "drop_last", "reshard", "continued", "hedge", "remix", "boundaries"):
             _flag(flag, getattr(self, flag))
@@ -254,6 +258,22 @@ class StreamSpec:
         if why:
             raise InvalidArgument(why)
         self._check_elastic()
+
+    def _check_schedule(self) -> None:
+        if not self.mixture_schedule:
+            return
+        from feeder.core.schedule import Schedule   # (config is imported by the schedule's errors' users)
+
+        if not isinstance(self.mixture_schedule, str) or len(self.mixture_schedule) > 1 << 20:
+            raise InvalidArgument("mixture_schedule must be a schedule's JSON of at most 1 MiB")
+        sched = Schedule.from_canonical(self.mixture_schedule)
+        names = tuple(n for n, _ in self.mixture)
+        if names != sched.names:
+            raise InvalidArgument(f"a scheduled mixture names its sources in `mixture` as its schedule does: the "
+                                  f"schedule has {list(sched.names)}, mixture has {list(names)}")
+        if self.remix:
+            raise InvalidArgument("remix does not apply to a scheduled mixture: change its schedule from a position "
+                                  "on instead (feeder mix), which every rank follows without a restart")
 
     def _check_elastic(self) -> None:
         if self.global_batch not in GLOBAL_BATCH:

@@ -32,9 +32,10 @@ except ImportError:  # no C compiler at install
 MAGIC = b"FC"
 # 2 added `src` (as text); 3 made it typed, by kind. Versions 1 and 2 are still accepted.
 VERSION = 3
-# Kinds of source position, by cursor byte: 1 none (a dataset's stream), 4 a mixture's (here);
-# 2, 3 and 5 are Kafka's (feeder/sources/kafka_positions.py). Registered by their owners.
-KIND_SAMPLED, KIND_MIXTURE = 1, 4
+# Kinds of source position, by cursor byte: 1 none (a dataset's stream), 4 a mixture's and 6 a
+# scheduled mixture's (here); 2, 3 and 5 are Kafka's (feeder/sources/kafka_positions.py).
+# Registered by their owners.
+KIND_SAMPLED, KIND_MIXTURE, KIND_SCHEDULED = 1, 4, 6
 MAC_LEN = 16
 # Used when a deployment sets no secret: fine on one machine, never across a real fleet.
 DEV_SECRET = b"feeder-development-secret-not-for-production"
@@ -168,6 +169,46 @@ def _position(version: int, kind: int, raw: bytes) -> Position:
 
 
 register_position(PositionKind(KIND_MIXTURE, Mixture, Mixture.pack, Mixture.unpack))
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """A scheduled mixture (feeder.core.schedule): its sources (name and data fingerprint, as a
+    Mixture's), its epoch's positions, and the schedule in force when the cursor was written, whole
+    (its canonical JSON: version, the digest of the schedule the job started with, every segment).
+    Nothing else: a scheduled mixture's draws are a pure function of the schedule and progress,
+    so any feeder resumes the cursor, and one that missed a live change learns it from it."""
+    names: tuple[str, ...]
+    fingerprints: tuple[str, ...]
+    epoch_samples: int
+    schedule: str
+
+    def pack(self) -> bytes:
+        out = [struct.pack(">H", len(self.names))]
+        for name, fp in zip(self.names, self.fingerprints):
+            nb, fb = name.encode(), fp.encode()
+            out += [struct.pack(">H", len(nb)), nb, struct.pack(">H", len(fb)), fb]
+        sb = self.schedule.encode()
+        out += [struct.pack(">QI", self.epoch_samples, len(sb)), sb]
+        return b"".join(out)
+
+    @classmethod
+    def unpack(cls, b: bytes) -> "Scheduled":
+        (k,), at = struct.unpack_from(">H", b), 2
+        names, fps = [], []
+        for _ in range(k):
+            for into in (names, fps):
+                (ln,) = struct.unpack_from(">H", b, at)
+                into.append(b[at + 2:at + 2 + ln].decode())
+                at += 2 + ln
+        n, ls = struct.unpack_from(">QI", b, at)
+        at += 12
+        if at + ls != len(b):
+            raise struct.error(f"a scheduled mixture position of {k} sources has {len(b)} bytes")
+        return cls(names=tuple(names), fingerprints=tuple(fps), epoch_samples=n, schedule=b[at:].decode())
+
+
+register_position(PositionKind(KIND_SCHEDULED, Scheduled, Scheduled.pack, Scheduled.unpack))
 
 
 @dataclass(frozen=True, kw_only=True)

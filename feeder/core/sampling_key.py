@@ -29,7 +29,7 @@ BATCHES = ("micro_batch", "epoch", "num_epochs")
 # An elastic job (live replicas, feeder.core.steps) shares its policy, accumulation and the world
 # its constant global batch is sized for; its live world changes from step to step.
 ELASTIC = ("global_batch", "accumulation", "start_replicas")
-JOB = ("dataset", "mixture", "epoch_samples", "world_size", *SAMPLES, *BATCHES, "packing", "boundaries", *ELASTIC)
+JOB = ("dataset", "mixture", "mixture_schedule", "epoch_samples", "world_size", *SAMPLES, *BATCHES, "packing", "boundaries", *ELASTIC)
 # What a cursor records of the stream that wrote it, and a resumed stream must match
 # (world_size and rank only without reshard: re-dealing to another world is what reshard is for).
 CURSOR = ("job", "fingerprint", *SAMPLES, *DEAL)

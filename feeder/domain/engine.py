@@ -15,13 +15,15 @@ from typing import Callable
 from feeder import __version__
 from feeder.sources import cache, preparing
 from feeder.core import blend as blending
+from feeder.core import schedule as schedule_blends
 from feeder.core import scope
 from feeder.sources import packed
 from feeder.sources.kafka import snapshot
 from feeder.core.config import ServeConfig, StreamSpec
-from feeder.core.cursor import Cursor, Mixture
+from feeder.core.cursor import Cursor, Mixture, Scheduled
 from feeder.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from feeder.domain.commits import CommitLog
+from feeder.domain.schedules import Schedules
 from feeder.domain.order_store import OrderStore
 from feeder.pipeline.batcher import Block
 from feeder.pipeline.jobs import Job, Jobs, RankState
@@ -70,7 +72,8 @@ class Engine:
         self.orders = OrderStore(cfg.cache, max_bytes=int(cfg.cache_max_gb * 2**30))
         # What this server's plans build into and take from (no process-wide state: another
         # server in this process keeps its own).
-        self.context = Context(cache_dir=cfg.cache, orders=self.orders, packing=cfg.packing)
+        self.schedules = Schedules(cfg.cache)
+        self.context = Context(cache_dir=cfg.cache, orders=self.orders, packing=cfg.packing, schedules=self.schedules)
         self.scrubber = None   # feeder.scrub.Scrubber, started by the server (--scrub-mb-s)
         # Elastic jobs' committed steps (feeder.core.steps), shared through the cache directory.
         self.commits = CommitLog(cfg.cache)
@@ -111,9 +114,32 @@ class Engine:
             scrubbed_bytes=sum(self.scrubber.scrubbed_bytes.values()) if self.scrubber else 0,
             jobs=tuple(JobStatus(job=j.job, dataset=j.dataset or self.default, world_size=j.world_size,
                                  elastic=self._elastic_status(j.job), streams_open=len(j.streams),
+                                 mixture=self._mixture_status(j.job),
                                  ranks=tuple(_rank_status(r, region)
                                              for r in sorted(j.ranks.values(), key=lambda r: r.rank)))
                        for j in jobs))
+
+    def mix(self, job: str, phase: int, schedule: str, at: int) -> tuple[int, str, bool]:
+        """A live change of a job's mixture schedule (feeder.domain.schedules): (where, the
+        schedule in force here, whether this feeder knows the job)."""
+        if self.siblings is not None:
+            raise FailedPrecondition("a live mixture change reaches one process of a feeder started with --processes "
+                                     "N > 1, and each process plans its own ranks; change it on feeders of one process")
+        if phase not in (1, 2, 3):
+            raise InvalidArgument(f"Mix phase must be 1 (prepare), 2 (commit) or 3 (abort), got {phase}")
+        book = self.schedules.get(job)
+        if phase == 1:
+            return (book.prepare(), book.schedule.canonical(), True) if book is not None else (0, "", False)
+        if phase == 3:
+            if book is not None:
+                book.abort()
+            return 0, "", book is not None
+        from feeder.core import schedule as sc
+
+        new = sc.Schedule.from_canonical(schedule)
+        got = self.schedules.commit(job, new, at)
+        log.info("job %r: mixture schedule version %d from progress %d: %s", job, got.version, at, got.shown())
+        return at, got.canonical(), book is not None
 
     def mixture(self, spec: StreamSpec, cursor: Cursor | None) -> tuple[MixtureSource, StreamSpec]:
         """The mixture a stream asks for, and its spec with the cursor's epoch_samples where the
@@ -127,7 +153,7 @@ class Engine:
                 self._mixtures.pop(next(iter(self._mixtures)))
             self._mixtures[spec.mixture] = src
         n = spec.epoch_samples
-        if not n and cursor is not None and type(cursor.src) is Mixture:
+        if not n and cursor is not None and type(cursor.src) in (Mixture, Scheduled):
             n = cursor.src.epoch_samples
         return src, dataclasses.replace(spec, epoch_samples=n)
 
@@ -193,6 +219,20 @@ class Engine:
             await asyncio.sleep(0.1)
             waited += 0.1
         return got
+
+    def _mixture_status(self, job: str) -> str:
+        """`schedule v1 (changed at 12,288) at progress 40,960: web 0.50 (scheduled 0.50), ...`."""
+        book = self.schedules.get(job)
+        if book is None:
+            return ""
+        st = book.status()
+        changes = ", ".join(f"{at:,}" if at >= 0 else "learned from a cursor" for v, at in st["changes"] if v)
+        out = f"schedule v{st['version']}" + (f" (changed at {changes})" if changes else "")
+        out += f" at progress {st['progress']:,}"
+        if st["actual"]:
+            out += ": " + ", ".join(f"{n} {a:.3f} (scheduled {w:.3f})"
+                                    for n, a, w in zip(st["names"], st["actual"], st["scheduled"]))
+        return out
 
     def _elastic_status(self, job: str) -> str:
         seen = self.elastic_steps.get(job)
@@ -366,6 +406,7 @@ class Engine:
         instead of waiting for the grace period to run out."""
         self.orders.stop()   # a build's loop ends within milliseconds: SIGTERM does not wait for it
         blending.stop()      # and so does a mixture's blending scan
+        schedule_blends.stop()   # and a scheduled one's
         self.context.stopping.set()   # and this server's packing builds, within a block (the blocks done stay)
         for job in self.jobs.jobs.values():
             for stream in list(job.streams.values()):

@@ -63,6 +63,7 @@ class JobStatus:
     ranks: tuple[RankStatus, ...]
     elastic: str = ""   # an elastic job's last committed step, its world, the attempts that did not commit
     streams_open: int = 0   # this job's streams open now (what a caller scoped to its jobs is told)
+    mixture: str = ""   # a scheduled mixture's version, changes, and scheduled vs actual shares
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ def render(reply, target: str):
             if r.target:   # how the rank's client says it is fed (slow, not dead)
                 t.add_row("", "", "", "", _feed(r), *[""] * 11)
     elastic = [f"elastic {j.job}: {j.elastic}" for j in reply.jobs if j.elastic]
+    elastic += [f"mixture {j.job}: {j.mixture}" for j in reply.jobs if j.mixture]
     if elastic:
         t.caption = "\n".join(elastic + ([t.caption] if t.caption else []))
     if not reply.jobs:

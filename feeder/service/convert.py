@@ -109,7 +109,8 @@ def spec_from_request(r: pb.StreamRequest, engine: Engine) -> StreamSpec:
                       remix=r.remix, permutation=r.permutation, packing=r.packing or "concat",
                       boundaries=r.boundaries, member=r.member, members=max(1, r.members), cp_rank=r.cp_rank,
                       cp_size=max(1, r.cp_size), cp_layout=r.cp_layout or "zigzag", global_batch=r.global_batch,
-                      accumulation=max(1, r.accumulation), start_replicas=r.start_replicas, first_step=r.first_step)
+                      accumulation=max(1, r.accumulation), start_replicas=r.start_replicas, first_step=r.first_step,
+                      mixture_schedule=r.mixture_schedule)
 
 
 def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phase: int | None = None,
@@ -136,7 +137,8 @@ def stream_request(spec: StreamSpec, cursor: bytes | None = None, *, worker_phas
         remix=s.remix, permutation=s.permutation if permutation is None else permutation,
         packing="" if s.packing == "concat" else s.packing, boundaries=s.boundaries, member=s.member,
         members=s.members, cp_rank=s.cp_rank, cp_size=s.cp_size, cp_layout=s.cp_layout, global_batch=s.global_batch,
-        accumulation=s.accumulation, start_replicas=s.start_replicas, first_step=s.first_step)
+        accumulation=s.accumulation, start_replicas=s.start_replicas, first_step=s.first_step,
+        mixture_schedule=s.mixture_schedule)
 
 
 def waiting_reply(region: str, waiting: str) -> bytes:
@@ -155,7 +157,7 @@ def status_reply(status: ProcessStatus) -> pb.StatusReply:
                            cache_problems=status.cache_problems, stuck=status.stuck, load=status.load)
     for j in status.jobs:
         js = reply.jobs.add(job=j.job, dataset=j.dataset, world_size=j.world_size, elastic=j.elastic,
-                            streams_open=j.streams_open)
+                            streams_open=j.streams_open, mixture=j.mixture)
         for r in j.ranks:
             rs = js.ranks.add(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "members"})
             for m in r.members:

@@ -27,7 +27,7 @@ ALL_JOBS = "*"
 # Methods a token must name the job of; Info (dataset facts) needs only a valid token, and
 # health and reflection stay open for probes and load balancers.
 FEEDER_SERVICE = "/feeder.v1.Feeder/"
-JOB_SCOPED = ("Stream", "Report", "Status")
+JOB_SCOPED = ("Stream", "Report", "Status", "Mix")
 
 
 def token_hash(token: str) -> str:

@@ -88,6 +88,7 @@ def add_to_server(servicer: "FeederServicer", server) -> None:
         "Info": handler(grpc.unary_unary_rpc_method_handler, "Info", pb.InfoRequest, pb.InfoReply),
         "Status": handler(grpc.unary_unary_rpc_method_handler, "Status", pb.StatusRequest, pb.StatusReply),
         "Report": handler(grpc.unary_unary_rpc_method_handler, "Report", pb.ReportRequest, pb.ReportReply),
+        "Mix": handler(grpc.unary_unary_rpc_method_handler, "Mix", pb.MixRequest, pb.MixReply),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
@@ -193,6 +194,11 @@ class FeederServicer(pb_grpc.FeederServicer):
             own = status_reply(e)
 
     @unary
+    async def Mix(self, request, context):
+        at, schedule, known = await asyncio.to_thread(self.engine.mix, request.job, request.phase, request.schedule,
+                                                      request.at)
+        return pb.MixReply(known=known, at=at, schedule=schedule)
+
     async def Report(self, request, context):
         if request.has_commit:   # an elastic job's step ended (off the trainer's critical path)
             self.engine.commit(request.job, request.rank, request.committed_step, request.committed,

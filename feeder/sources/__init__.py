@@ -68,6 +68,7 @@ class Context:
     cache_dir: str = ""          # best-fit sidecars under <cache_dir>/packing ("": the user's cache)
     orders: object = None        # the order store (get, prepare) of large torch orders; None: drawn in memory
     packing: PackingConfig = PackingConfig()   # how best-fit bins are built (block size, threads)
+    schedules: object = None     # scheduled mixtures' books (feeder.domain.schedules); None: the process's own
     # Set when the server stops (SIGTERM): its builds (a packing's blocks) end within a block.
     stopping: threading.Event = field(default_factory=threading.Event, compare=False)
 

@@ -18,13 +18,20 @@ import numpy as np
 from feeder.core import blend as mx
 from feeder.core import sampler
 from feeder.core.config import StreamSpec
-from feeder.core.cursor import Cursor, Mixture
+from feeder.core.cursor import Cursor, Mixture, Scheduled
 from feeder.core.errors import DataLoss, FailedPrecondition, NotFound, WrongReplica
 from feeder.core.planning import PENDING, PlanBase, PlannedRun, Start, StreamPlan
 from feeder.core.rows import Rows
 from feeder.core.layout import Bounds
 from feeder.sources import NO_CONTEXT, ChunkTable, Context, PerJob, packed_samples
 from feeder.sources.posix import locate_bounds, locate_rows
+
+
+def packed_fingerprint(names, tables) -> str:
+    """A packed mixture's fingerprint (its cursors'): of its sources' packings, so a cursor of
+    concat samples never resumes it."""
+    return "mix-" + hashlib.sha256("\0".join(f"{n}\0{t.fingerprint}" for n, t in zip(names, tables)).encode()
+                                   ).hexdigest()[:32]
 
 
 def shown_mixture(names, weights) -> str:
@@ -117,11 +124,14 @@ class MixtureSource:
         """A stream's plan: its parts (each bounded topic's epoch for the job: the cursor's, or
         the one agreed for the job), then the blending over their sizes. May block."""
         if self.tailed:
+            if spec.mixture_schedule:
+                raise FailedPrecondition("a mixture of followed Kafka topics (mode=follow) is interleaved record by "
+                                         "record without epochs; a schedule applies to files and bounded topics")
             return self.served[0].interleave(self.names, self.weights, self.served, spec, cursor)
         if self.fixed is not None:
             return self.fixed.plan(spec, cursor, ctx)
         pinned = {}
-        if cursor is not None and type(cursor.src) is Mixture:
+        if cursor is not None and type(cursor.src) in (Mixture, Scheduled):
             pinned = dict(zip(cursor.src.names, cursor.src.fingerprints))
         parts, keys, held, skipped = [], [], [], 0
         try:
@@ -186,6 +196,10 @@ class MixtureParts:
         if spec.expected_fingerprint and spec.expected_fingerprint != self.fingerprint:
             raise WrongReplica(f"mixture fingerprint mismatch: the job expects {spec.expected_fingerprint}, this "
                                f"feeder's sources {self.name!r} make {self.fingerprint}; refusing to serve other data")
+        if spec.mixture_schedule:
+            from feeder.sources.scheduled import ScheduledPlan   # (it builds on MixturePlan)
+
+            return ScheduledPlan(self, spec, cursor, ctx)
         return MixturePlan(self, spec, cursor, ctx)
 
 
@@ -209,8 +223,7 @@ class MixturePlan(PlanBase):
         self.tables = src.parts
         if packed is not None:
             self.tables = packed
-            self.fingerprint = "mix-" + hashlib.sha256(
-                "\0".join(f"{n}\0{t.fingerprint}" for n, t in zip(src.names, self.tables)).encode()).hexdigest()[:32]
+            self.fingerprint = packed_fingerprint(src.names, self.tables)
         # Counters from epoch 0: a stream that starts at epoch e draws what epoch e of a run
         # from epoch 0 draws.
         want = Mixture(names=src.names, fingerprints=src.fingerprints, weights=src.weights,

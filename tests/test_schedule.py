@@ -1,0 +1,307 @@
+"""Mixture schedules (issue 46): weights keyed by training progress, changed live, exact on resume.
+
+Checked against tests/schedule_oracle.py (written from docs/mixtures.md): a seeded generator of
+schedules and dealings through the plans, then a real feeder with ranks, `feeder mix` and
+`feeder audit`."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from feeder.core import schedule as sc
+from feeder.core.config import StreamSpec
+from feeder.core.cursor import Cursor
+from feeder.core.errors import FeederError
+from feeder.domain.schedules import Schedules
+from feeder.sources import Context
+from feeder.sources.mixture import MixtureParts
+from tests.helpers import FeederProc, reference_ids
+from tests.schedule_oracle import Blend, Segments, sample
+from tests.test_mixture import SEQ, check_tokens, corpora, sizes_of, source_flags, take  # noqa: F401 (fixture)
+
+
+class Part:
+    """A source of `n` samples of SEQ tokens (the plans need only its sizes and identity)."""
+
+    def __init__(self, n: int, fp: str):
+        self.n_tokens, self.fingerprint, self.n_documents = n * SEQ + 1, fp, 1
+        self.vocab_size, self.eos_id, self.dtype = 100, 0, np.dtype(np.uint32)
+
+
+def random_table(rng: random.Random, names, horizon: int) -> list[dict]:
+    """1-5 segments, constant or linear, over [0, horizon)."""
+    k = rng.randint(1, 5)
+    cuts = sorted(rng.sample(range(1, horizon), k - 1))
+    segs = []
+    for j in range(k):
+        w = {n: rng.choice([0, 0.5, 1, 2, 3, rng.random()]) for n in names}
+        if not any(w.values()):
+            w[names[0]] = 1
+        seg = {"weights": w}
+        if j < k - 1:
+            seg["until"] = cuts[j]
+            if rng.random() < 0.5:
+                to = {n: rng.random() for n in names}
+                seg["to"] = to
+        segs.append(seg)
+    return segs
+
+
+def plans_of(parts, names, table, *, world, ctx, epochs, drop_last, seed, **kw):
+    sched = sc.parse({"segment": table})
+    mp = MixtureParts(names, sched.segments[0].weights, parts, tuple(p.fingerprint for p in parts))
+    spec = StreamSpec(job=kw.pop("job", "j"), rank=0, world_size=world, seq_len=SEQ, micro_batch=kw.pop("mb", 3),
+                      mixture=tuple(zip(names, sched.segments[0].weights)), mixture_schedule=sched.canonical(),
+                      num_epochs=epochs, drop_last=drop_last, seed=seed, **kw)
+    return mp, spec, sched
+
+
+def rank_samples(mp, spec, rank, ctx, cursor=None, limit=None):
+    """[(epoch, index, source, id)] of a rank's stream, and the plan."""
+    plan = mp.plan(dataclasses.replace(spec, rank=rank), cursor, ctx)
+    out, runs = [], 0
+    for run in plan.runs(4):
+        out += [(run.epoch, int(i), int(s), int(d)) for i, s, d in zip(run.positions, run.sources, run.ids)]
+        runs += 1
+        if limit and runs >= limit:
+            break
+    return out, plan
+
+
+def reference(names, sizes, table, seed, splice=None):
+    seg = Segments.from_table(names, table)
+    if splice is not None:
+        at, new_table = splice
+        seg = seg.spliced(Segments.from_table(names, new_table), at)
+    return Blend(seg, len(names))
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_every_sample_of_random_schedules_is_the_references(case):
+    """2-4 sources, 1-5 segments, random worlds, epochs, resumes from random cursors, a world
+    change and a live change mid-epoch: each sample's source and id are the reference's for its
+    progress; each epoch's indexes are DistributedSampler's (shuffle off) for the rank."""
+    rng = random.Random(4600 + case)
+    k = rng.randint(2, 4)
+    names = tuple(f"s{d}" for d in range(k))
+    sizes = [rng.randint(5, 300) for _ in range(k)]
+    parts = [Part(n, f"fp{d}") for d, n in enumerate(sizes)]
+    n = sum(sizes)
+    epochs, world, seed = rng.randint(1, 3), rng.randint(1, 4), rng.randrange(1 << 40)
+    drop_last = rng.random() < 0.3
+    table = random_table(rng, names, n * epochs)
+    ctx = Context(schedules=Schedules())
+    mp, spec, sched = plans_of(parts, names, table, world=world, ctx=ctx, epochs=epochs, drop_last=drop_last,
+                               seed=seed, job=f"case{case}")
+    blend = reference(names, sizes, table, seed)
+    for r in range(world):
+        got, plan = rank_samples(mp, spec, r, ctx)
+        want_idx = [(e, i) for e in range(epochs) for i in reference_ids(n, world, r, shuffle=False, seed=seed,
+                                                                           drop_last=drop_last, epoch=e)]
+        assert [(e, i) for e, i, _, _ in got] == want_idx
+        for e, i, s, d in got:
+            assert (s, d) == sample(blend, names, sizes, seed, True, e * n + i), (r, e, i)
+        # resumed from a random cursor (as the feeder writes it after a batch): the rest, exactly
+        runs = list(plan.runs(4)) if False else None
+        cut = rng.randint(0, max(0, len(got) - 1))
+        plan2 = mp.plan(dataclasses.replace(spec, rank=r), None, ctx)
+        taken, cursor = 0, None
+        tmpl = plan2.cursor_template()
+        for run in plan2.runs(4):
+            for j, stop in enumerate(run.stops.tolist()):
+                a = int(run.stops[j - 1]) if j else run.start
+                taken += stop - a
+                cursor = dataclasses.replace(tmpl, world_size=run.world, epoch=run.epoch, base=run.base, pos=stop,
+                                             step=run.step + j + 1)
+                if taken >= cut:
+                    break
+            if taken >= cut:
+                break
+        if cursor is not None:
+            rest, _ = rank_samples(mp, spec, r, ctx, cursor=cursor)
+            assert rest == got[taken:], (r, taken)
+
+
+def test_a_world_change_and_a_live_change_mid_epoch_deal_every_index_once_under_the_spliced_schedule():
+    rng = random.Random(4646)
+    names = ("web", "code", "math")
+    sizes = [900, 400, 250]
+    parts = [Part(n, f"fp{d}") for d, n in enumerate(sizes)]
+    n, seed = sum(sizes), 77
+    table = [{"until": 900, "weights": {"web": 6, "code": 3, "math": 1}},
+             {"weights": {"web": 3, "code": 3, "math": 4}}]
+    books = Schedules()
+    ctx = Context(schedules=books)
+    mp, spec, sched = plans_of(parts, names, table, world=4, ctx=ctx, epochs=2, drop_last=False, seed=seed,
+                               job="wc", mb=8)
+    # 4 ranks take 10 runs of 4 batches each, then the world becomes 3 (reshard from their cursors)
+    seen = {}
+    cursors = {}
+    for r in range(4):
+        plan = mp.plan(dataclasses.replace(spec, rank=r), None, ctx)
+        tmpl = plan.cursor_template()
+        for j, run in enumerate(plan.runs(4)):
+            seen.update({(run.epoch, int(i)): (int(s), int(d)) for i, s, d in zip(run.positions, run.sources, run.ids)})
+            cursors[r] = dataclasses.replace(tmpl, world_size=run.world, epoch=run.epoch, base=run.base,
+                                             pos=int(run.stops[-1]), step=run.step + len(run.stops))
+            if j == 9:
+                break
+    # a live change: prepared, then committed at P past everything planned
+    book = books.get("wc")
+    at = book.prepare()
+    assert at % sc.BLOCK == 0 and at >= max(e * n + i for e, i in seen) + 1
+    change = [{"until": 3000, "weights": {"web": 1, "code": 1, "math": 1}, "to": {"web": 0, "code": 1, "math": 3}},
+              {"weights": {"web": 1, "code": 0, "math": 0}}]
+    new = sc.spliced(sched, sc.parse({"segment": change}), at)
+    book.commit(new, at)
+    blend = reference(names, sizes, table, seed, splice=(at, change))
+    again = {0: 0, 1: 0}
+    for r in range(3):
+        got, _ = rank_samples(mp, dataclasses.replace(spec, world_size=3, reshard=True), r, ctx, cursor=cursors[r])
+        for e, i, s, d in got:
+            if (e, i) in seen:   # DistributedSampler's padding: the same sample again
+                assert seen[(e, i)] == (s, d)
+                again[e] += 1
+            seen[(e, i)] = (s, d)
+    # every index of both epochs, once but for the padding of each epoch's last dealing (< 3)
+    assert again[0] <= 2 and again[1] <= 2
+    for e in range(2):
+        assert {i for (ee, i) in seen if ee == e} == set(range(n))
+    for (e, i), got in seen.items():
+        assert got == sample(blend, names, sizes, seed, True, e * n + i), (e, i)
+    # cursors written after the change carry it: a plan resumed from one takes version 1
+    fresh = Schedules()
+    late = mp.plan(dataclasses.replace(spec, world_size=3, reshard=True, rank=0), cursors[0], ctx)
+    assert late.schedule.version == 1
+    ctx2 = Context(schedules=fresh)
+    plan = mp.plan(dataclasses.replace(spec, world_size=3, rank=0), None, ctx2)
+    tmpl = plan.cursor_template()
+    last = None
+    for run in plan.runs(4):
+        if run.cursors is not None:
+            last = run.cursors[-1]
+    assert last is None   # (no change known here: the template's cursors)
+    late_cursor = dataclasses.replace(cursors[0], src=late.pos)
+    mp.plan(dataclasses.replace(spec, world_size=4, rank=0), late_cursor, ctx2)
+    assert fresh.get("wc").version == 1   # learned from the cursor
+
+
+def test_shares_over_windows_of_100k_samples_are_within_1_percent_of_the_schedule():
+    rng = random.Random(46)
+    for _ in range(3):
+        k = rng.randint(2, 4)
+        names = tuple(f"s{d}" for d in range(k))
+        table = random_table(rng, names, 2_000_000)
+        sched = sc.parse({"segment": table})
+        b = sc.blending(sched)
+        b._grow(2_000_000)
+        src, _ = b.at(sc.slots_of(np.arange(2_000_000), 9))
+        for lo in range(0, 2_000_000, 100_000):
+            got = np.bincount(src[lo:lo + 100_000], minlength=k) / 100_000
+            want = (sched.target(lo + 100_000) - sched.target(lo)) / 100_000
+            assert np.abs(got - want).max() <= 0.01, (lo, got, want)
+
+
+def test_a_constant_schedule_blends_as_megatron_and_the_c_loop_as_the_python_one():
+    from feeder.core import blend as mx
+
+    sched = sc.parse({"segment": [{"weights": {"a": 5, "b": 3, "c": 2}}]})
+    src, draw = sc.Blending(sched).at(np.arange(50_000))
+    idx, dr, _ = mx.blend(mx.normalized([5, 3, 2]), 50_000)
+    assert (src == idx).all() and (draw == dr).all()
+    ramp = sc.parse({"segment": [{"until": 7000, "weights": {"a": 1, "b": 0}, "to": {"a": 0, "b": 1}},
+                                 {"weights": {"a": 1, "b": 3}}]})
+    native = sc.Blending(ramp).at(np.arange(20_000))
+    saved = sc._native_at, sc._native_checkpoints
+    try:
+        sc._native_at = sc._native_checkpoints = None
+        python = sc.Blending(ramp).at(np.arange(20_000))
+    finally:
+        sc._native_at, sc._native_checkpoints = saved
+    assert all((a == b).all() for a, b in zip(native, python))
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"segment": [{"weights": {"a": 1}, "until": 10}, {"weights": {"b": 1}}]}, "not one of the schedule's sources"),
+    ({"segment": [{"weights": {"a": 1, "b": 1}}, {"weights": {"a": 1}}]}, "needs `until`"),
+    ({"segment": [{"weights": {"a": 1, "b": 1}, "to": {"a": 0, "b": 1}}]}, "cannot ramp"),
+    ({"segment": [{"until": 5, "weights": {"a": 1, "b": 1}}, {"until": 5, "weights": {"a": 1}}, {"weights": {"a": 1}}]},
+     "must be past where it starts"),
+    ({"segment": [{"weights": {"a": -1, "b": 1}}]}, "finite number >= 0"),
+    ({"segment": [{"weights": {"a": 0, "b": 0}}]}, "must not all be 0"),
+    ({"unit": "bytes", "segment": [{"weights": {"a": 1}}]}, "samples or tokens"),
+    ({"segments": []}, "at least one"),
+])
+def test_bad_schedules_are_refused_saying_what_was_expected(bad, words):
+    with pytest.raises(FeederError, match=words):
+        sc.parse(bad)
+
+
+# -- a real feeder: ranks, a live change with `feeder mix`, the ledger and `feeder audit` --------------------------
+
+NAMES = ("web", "code")
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "feeder.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "300"})
+
+
+def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exactly_once(corpora, tmp_path):
+    from feeder_client import FeederDataset
+
+    ledger = tmp_path / "ledger.jsonl"
+    flags = source_flags(corpora, NAMES)
+    f = FeederProc(None, source=flags[1], extra=[*flags[2:], "--ledger", str(ledger), "--cache-dir", str(tmp_path / "c")])
+    sizes = sizes_of(corpora, NAMES)
+    n = sum(sizes)
+    table = [{"weights": {"web": 3, "code": 1}}]
+    seed, world = 5, 2
+    try:
+        def ds(rank, **kw):
+            return FeederDataset([f.address], job="live", rank=rank, world_size=world, seq_len=SEQ, micro_batch=4,
+                                 seed=seed, num_epochs=3, retry_for_s=20, mixture_schedule={"segment": table}, **kw)
+
+        its = [iter(ds(r)) for r in range(world)]
+        got = {r: [] for r in range(world)}
+        for r in range(world):
+            for _ in range(5):
+                got[r].append(next(its[r]))
+        change = tmp_path / "anneal.toml"
+        change.write_text('[[segment]]\nuntil = 200\nweights = {web = 3, code = 1}\nto = {web = 0, code = 1}\n'
+                          '[[segment]]\nweights = {web = 1, code = 4}\n')
+        p = _cli("mix", "live", "--schedule", str(change), "--relative", "--target", f.address)
+        assert p.returncode == 0, p.stderr
+        at = int(p.stdout.split("from progress ")[1].split(" ")[0].replace(",", ""))
+        assert "version 1" in p.stdout
+        # one rank is killed (its iterator dropped) and resumed from its last cursor
+        resume = got[1][-1].cursor
+        its[1] = iter(ds(1, cursor=resume))
+        for r in range(world):
+            got[r] += list(its[r])
+        st = _cli("status", "--target", f.address)
+        assert "schedule v1" in st.stdout, st.stdout
+    finally:
+        f.stop()
+    change_table = [{"until": 200, "weights": {"web": 3, "code": 1}, "to": {"web": 0, "code": 1}},
+                    {"weights": {"web": 1, "code": 4}}]
+    shifted = [dict(s, until=s["until"] + at) if "until" in s else s for s in change_table]
+    blend = reference(NAMES, sizes, table, seed, splice=(at, [{"until": at, "weights": {"web": 3, "code": 1}},
+                                                               *shifted]))
+    for r in range(world):
+        batches = got[r]
+        pairs = [(b.epoch, (int(s), int(i))) for b in batches for s, i in zip(b.sources.tolist(),
+                                                                               b.sample_ids.tolist())]
+        want = [(e, sample(blend, NAMES, sizes, seed, True, e * n + i)) for e in range(3)
+                for i in reference_ids(n, world, r, shuffle=False, seed=seed, drop_last=False, epoch=e)]
+        assert pairs == want, f"rank {r}"
+        check_tokens(corpora, NAMES, [(b.epoch, b.step, list(zip(b.sources.tolist(), b.sample_ids.tolist())),
+                                       b.tokens.numpy(), b.cursor) for b in batches])
+    a = _cli("audit", str(ledger))
+    assert a.returncode == 0 and "exactly once" in a.stdout, a.stdout + a.stderr

@@ -26,7 +26,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="the feeders' --message-bytes and the ceilings' message size (256 batches of 8 x 2049)")
     s.add_argument("--kafka", default="127.0.0.1:9092", help="broker for the Kafka figures ('' to skip)")
     s.add_argument("--quick", action="store_true", help="small corpus, short runs (a smoke test)")
-    s.add_argument("--only", choices=["formats", "mixture", "scale", "kafka", "packing", "members", "elastic", "gray"],
+    s.add_argument("--only", choices=["formats", "mixture", "scale", "kafka", "packing", "members", "elastic", "gray",
+                                           "schedule"],
                    default="",
                    help="formats: only tokens/s from each other tool's format against our shards; mixture: "
                         "only a mixture of 3 sources against one source; scale: first batch and feeder memory "
@@ -36,7 +37,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "CPU per token for 8 members of one rank against 8 ranks, and the bytes each "
                         "context-parallel member gets (docs/model-parallel.md); elastic: a surviving replica's data wait "
                         "around a change of world, against the step time (docs/elastic.md); gray: a rank's data-wait with one "
-                        "slow feeder of two, before and after moving and hedging (docs/guarantees.md)")
+                        "slow feeder of two, before and after moving and hedging (docs/guarantees.md); schedule: a "
+                        "10-segment mixture schedule's first batch against a fixed mixture's at 10^9 positions of 8 "
+                        "sources (docs/mixtures.md)")
 
 
 HELP = "measure the feeder against a raw socket, bare gRPC and a local DataLoader"
@@ -79,6 +82,11 @@ def cmd_bench(args) -> int:
                   f"of those used")
         print(f"(one feeder of two at {g['slow_link_kb_per_s']} KB/s for a rank taking {g['demand_kb_per_s']} KB/s; "
               f"{g['proxy']})")
+        return 0
+    if args.only == "schedule":
+        from .schedule import schedule_line
+
+        print(schedule_line(r))
         return 0
     if args.only == "elastic":
         for policy, e in r["elastic"]["runs"].items():

@@ -53,6 +53,10 @@ def run(cfg: BenchConfig, json_path: str = "", plot_path: str = "") -> dict:
                 from .gray import gray_figures
 
                 res.update(gray_figures(cfg, data))
+            elif cfg.only == "schedule":
+                from .schedule import schedule_figures
+
+                res.update(schedule_figures(cfg))
             elif cfg.only == "members":
                 from .members import members_figures
 

@@ -329,8 +329,10 @@ def _add_mix(sub) -> None:
                                    "scope where the feeders ask for tokens. Exit 0 when every feeder took the "
                                    "change; 2, with one line, otherwise.")
     s.add_argument("job")
-    s.add_argument("--schedule", required=True, help="TOML file of the new schedule ([[segment]] tables, as "
-                   "mixture_schedule takes)")
+    s.add_argument("--schedule", help="TOML file of the new schedule ([[segment]] tables, as mixture_schedule "
+                   "takes)")
+    s.add_argument("--abort", action="store_true", help="end a change prepared and never committed (a `feeder mix` "
+                   "that died between its phases): the feeders' streams of the job go on under their schedule")
     s.add_argument("--target", action="append", required=True, help="feeder HOST:PORT (repeat for each)")
     s.add_argument("--relative", action="store_true", help="count the schedule's `until`s from where the change "
                    "takes effect, not from the job's start")
@@ -340,8 +342,13 @@ def _add_mix(sub) -> None:
 
 
 def cmd_mix(args) -> int:
-    from feeder.ops.mix import mix
+    from feeder.ops.mix import abort, mix
 
+    if args.abort:
+        abort(args.target, args.job, security=client_security(args))
+        return 0
+    if not args.schedule:
+        raise FeederError("feeder mix needs --schedule FILE.toml (or --abort)")
     mix(args.target, args.job, args.schedule, relative=args.relative, seq_len=args.seq_len,
         security=client_security(args))
     return 0

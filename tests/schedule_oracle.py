@@ -113,8 +113,8 @@ class Blend:
         return self.src[slot], self.draw[slot]
 
 
-def sample(blend: Blend, names, sizes, seed: int, shuffle: bool, g: int) -> tuple[int, int]:
+def sample(blend: Blend, names, sizes, seed: int, shuffle: bool, g: int, permutation: str = "torch") -> tuple[int, int]:
     """(source, id within it) at progress g."""
     d, k = blend.at(slot_of(g, seed))
     cycle, r = divmod(k, sizes[d])
-    return d, source_perm(sizes[d], seed, names[d], cycle, shuffle)[r]
+    return d, source_perm(sizes[d], seed, names[d], cycle, shuffle, permutation)[r]

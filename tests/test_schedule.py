@@ -258,7 +258,8 @@ def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exac
 
     ledger = tmp_path / "ledger.jsonl"
     flags = source_flags(corpora, NAMES)
-    f = FeederProc(None, source=flags[1], extra=[*flags[2:], "--ledger", str(ledger), "--cache-dir", str(tmp_path / "c")])
+    f = FeederProc(None, source=flags[1], extra=[*flags[2:], "--ledger", str(ledger), "--cache-dir", str(tmp_path / "c"),
+                                                      "--metrics-port", "0"])
     sizes = sizes_of(corpora, NAMES)
     n = sum(sizes)
     table = [{"weights": {"web": 3, "code": 1}}]
@@ -286,7 +287,15 @@ def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exac
         for r in range(world):
             got[r] += list(its[r])
         st = _cli("status", "--target", f.address)
-        assert "schedule v1" in st.stdout, st.stdout
+        assert "schedule v1" in st.stdout and f"changed at {at:,}" in st.stdout, st.stdout
+        from tests.test_ops import scrape, value
+
+        m = scrape(f.metrics)
+        assert value(m, "feeder_mixture_schedule_version", job="live") == 1
+        shares = [value(m, "feeder_mixture_share", job="live", source=s, kind=k) for s in NAMES
+                  for k in ("scheduled", "actual")]
+        assert abs(sum(shares[0::2]) - 1) < 1e-6 and abs(sum(shares[1::2]) - 1) < 1e-6
+        assert abs(shares[0] - shares[1]) < 0.02   # web: actual within 2% of scheduled
     finally:
         f.stop()
     change_table = [{"until": 200, "weights": {"web": 3, "code": 1}, "to": {"web": 0, "code": 1}},
@@ -305,3 +314,27 @@ def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exac
                                        b.tokens.numpy(), b.cursor) for b in batches])
     a = _cli("audit", str(ledger))
     assert a.returncode == 0 and "exactly once" in a.stdout, a.stdout + a.stderr
+
+
+def test_feeder_mix_refuses_clearly_without_a_traceback(corpora, tmp_path):
+    flags = source_flags(corpora, NAMES)
+    f = FeederProc(None, source=flags[1], extra=flags[2:])
+    try:
+        bad = tmp_path / "bad.toml"
+        bad.write_text("[[segment]]\nweights = {web = 0, code = 0}\n")
+        good = tmp_path / "good.toml"
+        good.write_text("[[segment]]\nweights = {web = 1, code = 1}\n")
+        for args, words in ((["nojob", "--schedule", str(good)], "serves job 'nojob' with a mixture schedule"),
+                            (["j", "--schedule", str(bad)], "weights must not all be 0"),
+                            (["j", "--schedule", str(tmp_path / "missing.toml")], "cannot read"),
+                            (["j"], "needs --schedule")):
+            p = _cli("mix", *args, "--target", f.address)
+            assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+        from tests.helpers import free_port
+
+        p = _cli("mix", "j", "--schedule", str(good), "--target", f.address, "--target", f"127.0.0.1:{free_port()}")
+        assert p.returncode == 2 and "cannot reach" in p.stderr and "Traceback" not in p.stderr, p.stderr
+        p = _cli("mix", "j", "--abort", "--target", f.address)
+        assert p.returncode == 0, p.stderr
+    finally:
+        f.stop()

@@ -116,3 +116,87 @@ def test_a_mixture_trains_logs_per_source_loss_and_remixes_on_resume(tmp_path):
         assert set(before) <= {0, 1} and before[0] > before[1]   # web 0.7, code 0.3
         assert [x["step"] for x in b] == [s for s in range(6, 9) for _ in (0, 1)]
         assert after[2] > after[0]                               # news 0.5 now, web 0.2
+
+
+@pytest.mark.timeout(900)
+def test_a_live_schedule_change_while_four_ranks_train_switches_them_at_one_position_exactly(tmp_path):
+    """Issue 46: train.py --mixture-schedule on 4 DeepSpeed ranks; `feeder mix` changes the
+    schedule while they train; the job crashes after its checkpoint and resumes from it. Every
+    rank's samples, before and after the change and across the resume, are the oracle's under the
+    schedule spliced at the position the change reports; the ledger's audit finds each once."""
+    import subprocess
+    import threading
+
+    from feeder.core import sampler
+    from tests.helpers import byte_stream, make_docs, prep_docs, reference_ids
+    from tests.schedule_oracle import Blend, Segments, sample
+
+    names, docs, dirs = ("web", "code"), {}, {}
+    for name, seed in (("web", 31), ("code", 32)):
+        (tmp_path / name).mkdir()
+        docs[name] = make_docs(900, seed=seed)
+        dirs[name] = str(prep_docs(tmp_path / name, docs[name]))
+    # (256 tokens a sample: what the feeder plans ahead of the loop is bounded in bytes (the
+    # client's read-ahead, the feeder's prefetch, gRPC's window), so the change, past all of it,
+    # comes within the run)
+    seq = 256
+    sizes = [sampler.n_samples(len(byte_stream(docs[n])), seq) for n in names]
+    n = sum(sizes)
+    (tmp_path / "sched.toml").write_text("[[segment]]\nweights = {web = 3, code = 1}\n")
+    (tmp_path / "change.toml").write_text("[[segment]]\nweights = {web = 0, code = 1}\n")
+    ledger = tmp_path / "ledger.jsonl"
+    cfg = ServeConfig(sources=tuple(dirs.items()), listen="127.0.0.1:0", ledger=str(ledger), message_bytes=8192,
+                      prefetch_messages=2, cache_dir=str(tmp_path / "cache"))
+    changed = {}
+
+    def change_when_training(srv_address):
+        log = tmp_path / "a" / "rank0.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if log.exists() and len(log.read_text().splitlines()) >= 8:   # 4 steps in
+                p = subprocess.run([sys.executable, "-m", "feeder.cli", "mix", "sched", "--schedule",
+                                    str(tmp_path / "change.toml"), "--relative", "--target", srv_address],
+                                   capture_output=True, text=True, timeout=60)
+                changed["out"] = p.stdout + p.stderr
+                return
+            time.sleep(0.05)
+
+    with ServerThread(cfg) as srv:
+        t = threading.Thread(target=change_when_training, args=(srv.address,), daemon=True)
+        t.start()
+        # (a small read-ahead: the change comes past all that was sent, which is then near the loop)
+        common = ["--mixture-schedule", str(tmp_path / "sched.toml"), "--ckpt-dir", str(tmp_path / "ck"),
+                  "--max-read-ahead", "4"]
+        out = train4(srv.address, "sched", tmp_path, "--steps", "60", "--save-every", "30", "--crash-at-step", "40",
+                     "--log-ids", str(tmp_path / "a"), *common, expect_rc=17)
+        t.join(60)
+        assert "version 1 from progress" in changed.get("out", ""), changed
+        at = int(changed["out"].split("from progress ")[1].split(" ")[0].replace(",", ""))
+        out = train4(srv.address, "sched", tmp_path, "--steps", "60", "--resume", "--log-ids", str(tmp_path / "b"),
+                     *common)
+        assert "resumed from" in out and "at step 30" in out, out[-2000:]
+        lines = [line for line in out.splitlines() if line.startswith("step")]
+        assert lines and all(" web " in line and " code " in line for line in lines), out[-2000:]
+    blend = Blend(Segments.from_table(names, [{"weights": {"web": 3, "code": 1}}]).spliced(
+        Segments([(at, at, 0, [0.0, 1.0], [0.0, 1.0])]), at), 2)
+    before = after = 0
+    for rank in range(4):
+        a, b = read_ids(tmp_path / "a", rank), read_ids(tmp_path / "b", rank)
+        assert [x["step"] for x in b] == [s for s in range(30, 60) for _ in (0, 1)]
+        got = [(x["epoch"], s, i) for x in [*a[:60], *b] for s, i in zip(x["sources"], x["ids"])]
+        want_idx = [(e, i) for e in range(3) for i in reference_ids(n, 4, rank, shuffle=False, seed=0,
+                                                                     drop_last=False, epoch=e)][:len(got)]
+        for (e, s, i), (we, wi) in zip(got, want_idx):
+            g = we * n + wi
+            assert (e, s, i) == (we, *sample(blend, names, sizes, 0, True, g)), (rank, g, at)
+            before, after = before + (g < at), after + (g >= at)
+    assert before > 0 and after > 0, (before, after, at)
+    p = subprocess.run([sys.executable, "-m", "feeder.cli", "audit", str(ledger)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "exactly once" in p.stdout, p.stdout + p.stderr
+
+
+def train4(address, job, tmp: Path, *extra, expect_rc=0, limit_s=400):
+    cmd = [DEEPSPEED, "--num_gpus", "4", "--master_port", str(free_port()), TRAIN, "--targets", address,
+           "--job", job, "--seq-len", "256", "--micro-batch", "4", "--grad-accum", "2", "--log-every", "5", *extra]
+    return launch(cmd, tmp, job, limit_s=limit_s, expect_rc=expect_rc)

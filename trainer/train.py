@@ -63,6 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--compression", default="zstd", choices=["zstd", "none"])
     p.add_argument("--mixture", default="", help="draw from the feeders' named sources by weight: "
                    "NAME=WEIGHT,... (e.g. web=0.7,code=0.3); logs the loss per source")
+    p.add_argument("--mixture-schedule", default="", metavar="FILE.toml",
+                   help="draw from the feeders' named sources with weights that change with training progress "
+                   "([[segment]] tables: docs/mixtures.md, \"Schedules\"); logs the loss per source. An operator "
+                   "may change it while the job runs (feeder mix)")
+    p.add_argument("--max-read-ahead", type=int, default=64, help="batches a rank may hold ahead of its loop (the "
+                   "client's adaptive read-ahead grows up to this; it also bounds gRPC's window)")
     p.add_argument("--remix", action="store_true", help="with --resume: continue under a --mixture other than "
                    "the checkpoint's (the epoch's rest re-dealt under the new weights)")
     # Document-aware samples (docs/packing.md): Megatron-LM's three flags, from the boundaries the
@@ -182,6 +188,16 @@ def resume_point(args, engine, world: int, rank: int, say):
     return cursor, reshard, step
 
 
+def mixture_names(args) -> list[str]:
+    """The sources of --mixture or --mixture-schedule, in order (a batch's `sources` index them)."""
+    if getattr(args, "mixture_schedule", ""):
+        from feeder.core import schedule as sc
+        from feeder.core.config import load_toml
+
+        return list(sc.parse(load_toml(args.mixture_schedule), seq_len=args.seq_len).names)
+    return list(parse_mixture(args.mixture))
+
+
 def parse_mixture(spec: str) -> dict[str, float]:
     """--mixture NAME=WEIGHT,... as {name: weight}, in order; {} without."""
     out = {}
@@ -199,16 +215,19 @@ def parse_mixture(spec: str) -> dict[str, float]:
 def make_dataset(args, targets, rank: int, world: int, cursor, reshard: bool, fingerprint: str):
     """This rank's FeederDataset from the flags (shuffled, seeded, from `cursor` when resuming)."""
     mixture = parse_mixture(args.mixture)
+    schedule = args.mixture_schedule or None
     # A mixture's sources are bound by their fingerprints in every cursor; the Info fingerprint
     # every rank agrees on is the default dataset's, which a mixture need not read.
     return FeederDataset(targets, job=args.job, rank=rank, world_size=world, seq_len=args.seq_len,
-                         mixture=mixture or None, remix=args.remix,
+                         mixture=mixture or None, remix=args.remix, mixture_schedule=schedule,
                          micro_batch=args.micro_batch, seed=args.seed, shuffle=True, epoch=0,
                          num_epochs=args.epochs, cursor=cursor, reshard=reshard,
-                         expected_fingerprint="" if mixture else fingerprint, compression=args.compression,
+                         expected_fingerprint="" if mixture or schedule else fingerprint,
+                         compression=args.compression,
                          prefer=args.prefer, packing=args.packing, boundaries=wants_boundaries(args),
                          tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         token_file=args.token_file, slow_wait=args.slow_wait, hedge=args.hedge)
+                         token_file=args.token_file, slow_wait=args.slow_wait, hedge=args.hedge,
+                         max_read_ahead=args.max_read_ahead, read_ahead=min(8, args.max_read_ahead))
 
 
 def wants_boundaries(args) -> bool:
@@ -291,7 +310,7 @@ def log_window(run: Run, step: int, window: dict) -> float:
     dt = time.monotonic() - window["t"]
     mean_loss = stats[0].item() / max(1, stats[1].item())
     per_source = ""
-    names = list(parse_mixture(run.args.mixture))
+    names = mixture_names(run.args)
     if names:   # every rank sums every source's loss and count, so all take part in the reduce
         src = torch.tensor([[window["src_loss"].get(d, 0.0), window["src_n"].get(d, 0)] for d in range(len(names))],
                            dtype=torch.float64)

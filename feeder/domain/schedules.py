@@ -3,16 +3,20 @@ history on this feeder, the progress its streams have planned, and the log that 
 
 A change is agreed in two phases by `feeder mix` over every feeder serving the job:
 1. prepare: each feeder stops planning past what its streams have planned (rounded up to a
-   block) and says where that is. Its streams go on sending what they have built, then wait.
-2. commit at P, the largest of those: each feeder splices the new schedule in from P
-   (feeder.core.schedule.spliced) and its streams go on. Nothing planned before P changes:
-   the old and the spliced schedule agree bit for bit there.
-A prepare that sees no commit within HOLD_S lets go (the change is abandoned there; a commit
-that comes later still applies only if nothing was planned past its P, else it is refused).
+   block) and says where that is (its *hold*). Its streams go on sending what they have built,
+   then wait. The hold is recorded before it is answered.
+2. commit at P, the largest hold: each feeder takes the whole new schedule (the old one spliced
+   with the change at P, feeder.core.schedule.spliced) and its streams go on. Nothing planned
+   before P changes: the old and the spliced schedule agree bit for bit there.
+A hold ends only with a commit or an abort (`feeder mix` again, or `feeder mix --abort`), or
+with a cursor that carries a later schedule (a rank that was served the change elsewhere): a
+feeder that timed it out could serve a rank past P under the old schedule while others serve the
+new one. It is said in the log every HOLD_NOTE_S while it lasts.
 
-The history is appended to `<cache directory>/schedules/<job hash>.log` (a line per change,
-with the schedule's digest, verified on reading), so a restarted feeder, or another sharing the
-cache directory, serves the job's current schedule; every cursor carries the schedule in force
+The history is appended to `<cache directory>/schedules/<job hash>.log`, a line per prepare,
+commit and abort (each with a SHA-256 of its content, verified on reading; a torn or foreign line
+is skipped), so a restarted feeder, or another sharing the cache directory, serves the job's
+current schedule and keeps a hold it had promised. Every cursor carries the schedule in force
 too, and a feeder that never heard of a change learns it from the first cursor that does.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from feeder.core.errors import FailedPrecondition
 
 log = logging.getLogger("feeder.schedules")
 
-HOLD_S = 30.0
+HOLD_NOTE_S = 30.0
 
 
 class Book:
@@ -38,28 +42,32 @@ class Book:
 
     def __init__(self, job: str, schedule: sc.Schedule, log_: "ScheduleLog | None"):
         self.job, self.schedule, self._log = job, schedule, log_
-        self.changes: list[tuple[int, int]] = []   # (version, at) of each change known here
+        self.changes: list[tuple[int, int]] = []   # (version, at) of each change known here (-1: from a cursor)
         self.planned = 0          # progress below which some stream here has planned (exclusive)
         self.hold: int | None = None
-        self.hold_until = 0.0
+        self._noted = 0.0
         self.lock = threading.Lock()
 
     @property
     def version(self) -> int:
         return self.schedule.version
 
+    @property
+    def changed_at(self) -> int:
+        return next((at for v, at in reversed(self.changes) if v == self.version), 0)
+
     def take(self, upto: int) -> sc.Schedule:
         """The schedule a run planned up to progress `upto` (exclusive) is filled with; raises
         schedule.Pending while a change is being agreed and the run reaches past the hold."""
         with self.lock:
-            if self.hold is not None:
-                if time.monotonic() > self.hold_until:
-                    log.warning("job %r: the mixture change prepared here was not committed within %.0f s; going on "
-                                "under schedule version %d", self.job, HOLD_S, self.version)
-                    self.hold = None
-                elif upto > self.hold:
-                    raise sc.Pending(f"a change of job {self.job!r}'s mixture schedule is being agreed (at progress "
-                                     f"{self.hold:,})")
+            if self.hold is not None and upto > self.hold:
+                now = time.monotonic()
+                if now - self._noted >= HOLD_NOTE_S:
+                    self._noted = now
+                    log.warning("job %r: its streams wait at progress %d for a mixture change prepared here to be "
+                                "committed or aborted (feeder mix, or feeder mix --abort)", self.job, self.hold)
+                raise sc.Pending(f"a change of job {self.job!r}'s mixture schedule is being agreed (at progress "
+                                 f"{self.hold:,})")
             self.planned = max(self.planned, upto)
             return self.schedule
 
@@ -68,19 +76,24 @@ class Book:
         with self.lock:
             at = -(-self.planned // sc.BLOCK) * sc.BLOCK
             self.hold = at if self.hold is None else max(self.hold, at)
-            self.hold_until = time.monotonic() + HOLD_S
+            self._noted = time.monotonic()
+            if self._log is not None:
+                self._log.record(self.job, "prepare", at=self.hold, schedule=self.schedule)
             return self.hold
 
     def abort(self) -> None:
         with self.lock:
+            if self.hold is not None and self._log is not None:
+                self._log.record(self.job, "abort", at=self.hold, schedule=self.schedule)
             self.hold = None
 
     def commit(self, new: sc.Schedule, at: int) -> sc.Schedule:
-        """Take `new` (the whole schedule, the old one spliced with the change by `feeder mix`)
+        """Take `new` (the whole schedule: the old one spliced with the change by `feeder mix`)
         from progress `at` on."""
         with self.lock:
             if new.version <= self.version:
                 if new.version == self.version and new.digest == self.schedule.digest:   # (a retried commit)
+                    self.hold = None
                     return self.schedule
                 raise FailedPrecondition(f"job {self.job!r}'s mixture schedule is at version {self.version} here; "
                                          f"change {new.version} is stale (another change came first): run feeder mix "
@@ -94,11 +107,11 @@ class Book:
                                          f"{self.planned:,}, past the change's {at:,}; nothing was changed here "
                                          "(run feeder mix again)")
             self._install(new, at)
-            self.hold = None
             return new
 
     def adopt(self, newer: sc.Schedule) -> None:
-        """A later version learned from a cursor (a change this feeder missed)."""
+        """A later version learned from a cursor (a change this feeder missed, or whose commit
+        did not reach it: a rank was served it elsewhere, so it was committed)."""
         with self.lock:
             if newer.version <= self.version:
                 return
@@ -108,20 +121,20 @@ class Book:
     def _install(self, schedule: sc.Schedule, at: int) -> None:
         self.schedule = schedule
         self.changes.append((schedule.version, at))
+        self.hold = None
         if self._log is not None:
-            self._log.record(self.job, schedule, at)
+            self._log.record(self.job, "commit", at=at, schedule=schedule)
 
     def status(self) -> dict:
         """What `feeder status` shows: the version, each change, and scheduled vs actual shares
         of the progress planned so far."""
         with self.lock:
-            s, upto = self.schedule, self.planned
+            s, upto, hold = self.schedule, self.planned, self.hold
         out = {"version": s.version, "changes": list(self.changes), "progress": upto, "names": s.names,
-               "scheduled": [], "actual": []}
+               "scheduled": [], "actual": [], "hold": hold}
         if upto:
-            b = sc.blending(s)
             try:
-                counts = b.counts(upto)
+                counts = sc.blending(s).counts(upto)
             except (sc.Pending, FailedPrecondition):
                 return out
             out["scheduled"] = [float(x) / upto for x in s.target(upto)]
@@ -130,7 +143,7 @@ class Book:
 
 
 class ScheduleLog:
-    """The changes of each job's schedule, a line each, under <cache>/schedules/."""
+    """Each job's prepares, commits and aborts, a line each, under <cache>/schedules/."""
 
     def __init__(self, cache_dir: str):
         self.root = Path(cache_dir) / "schedules"
@@ -138,10 +151,9 @@ class ScheduleLog:
     def _path(self, job: str) -> Path:
         return self.root / (hashlib.sha256(job.encode()).hexdigest()[:32] + ".log")
 
-    def record(self, job: str, schedule: sc.Schedule, at: int) -> None:
-        text = schedule.canonical()
-        line = json.dumps({"job": job, "at": at, "schedule": text,
-                           "sha256": hashlib.sha256(text.encode()).hexdigest()}) + "\n"
+    def record(self, job: str, kind: str, *, at: int, schedule: sc.Schedule) -> None:
+        body = json.dumps({"job": job, "kind": kind, "at": at, "schedule": schedule.canonical()}, sort_keys=True)
+        line = json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}) + "\n"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(self._path(job), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -150,33 +162,37 @@ class ScheduleLog:
             finally:
                 os.close(fd)
         except OSError as e:   # the change holds here and in every cursor; a restarted feeder learns it from them
-            log.warning("job %r: cannot record mixture schedule version %d in %s: %s", job, schedule.version,
-                        self.root, e.strerror)
+            log.warning("job %r: cannot record the mixture schedule's %s in %s: %s", job, kind, self.root, e.strerror)
 
-    def latest(self, job: str, base: str) -> tuple[sc.Schedule, list[tuple[int, int]]] | None:
-        """The job's latest recorded schedule of this base, and its changes (None: none recorded).
-        A torn, altered or foreign line is skipped."""
+    def replay(self, book: Book, base: str) -> None:
+        """Bring a new book to what the log says: the latest schedule of this base, its changes,
+        and a hold promised and not yet ended."""
         try:
-            with open(self._path(job), "rb") as f:
+            with open(self._path(book.job), "rb") as f:
                 lines = f.read().splitlines()
         except OSError:
-            return None
-        best, changes = None, []
+            return
         for raw in lines:
             try:
-                rec = json.loads(raw)
-                text = rec["schedule"]
-                if rec["job"] != job or hashlib.sha256(text.encode()).hexdigest() != rec["sha256"]:
+                outer = json.loads(raw)
+                body = outer["record"]
+                if hashlib.sha256(body.encode()).hexdigest() != outer["sha256"]:
                     continue
-                s = sc.Schedule.from_canonical(text)
-            except (ValueError, KeyError, TypeError, Exception):   # (InvalidArgument: not a schedule)
+                rec = json.loads(body)
+                s = sc.Schedule.from_canonical(rec["schedule"])
+                kind, at = rec["kind"], int(rec["at"])
+            except Exception:   # (torn, altered, foreign, or not a schedule: InvalidArgument)
                 continue
-            if s.base != base:
+            if rec.get("job") != book.job or s.base != base:
                 continue
-            changes.append((s.version, int(rec.get("at", -1))))
-            if best is None or s.version > best.version:
-                best = s
-        return None if best is None else (best, sorted(set(changes)))
+            if kind == "commit" and s.version > book.schedule.version:
+                book.schedule = s
+                book.changes.append((s.version, at))
+                book.hold = None
+            elif kind == "prepare" and s.version == book.schedule.version:
+                book.hold = at if book.hold is None else max(book.hold, at)
+            elif kind == "abort" and s.version == book.schedule.version:
+                book.hold = None
 
 
 class Schedules:
@@ -191,20 +207,18 @@ class Schedules:
         """The job's book (made from the recorded history, or from the schedule the stream asks for)."""
         with self._lock:
             got = self._books.get(job)
-            if got is not None:
-                if got.schedule.base != base.base:
-                    if got.version == 0:   # (the job restarted with another schedule before any change)
-                        got = None
-                    else:
-                        raise FailedPrecondition(
-                            f"job {job!r}'s mixture schedule was changed live (version {got.version}) from another "
-                            f"starting schedule ({got.schedule.base}) than this stream's ({base.base}); start the new "
-                            "schedule under a new job name, or resume with the schedule the job started with")
+            if got is not None and got.schedule.base != base.base:
+                if got.version == 0 and got.hold is None:   # (the job restarted with another schedule)
+                    got = None
+                else:
+                    raise FailedPrecondition(
+                        f"job {job!r}'s mixture schedule was changed live (version {got.version}) from another "
+                        f"starting schedule ({got.schedule.base}) than this stream's ({base.base}); start the new "
+                        "schedule under a new job name, or resume with the schedule the job started with")
             if got is None:
                 got = Book(job, base, self.log)
-                found = self.log.latest(job, base.base) if self.log is not None else None
-                if found is not None:
-                    got.schedule, got.changes = found
+                if self.log is not None:
+                    self.log.replay(got, base.base)
                 self._books[job] = got
             return got
 
@@ -212,10 +226,14 @@ class Schedules:
         """A change for the job; a feeder that has not served it yet keeps it for when it does."""
         with self._lock:
             got = self._books.get(job)
-            if got is None:
+            if got is None:   # (no stream of the job yet here: its streams will start from this)
                 got = self._books[job] = Book(job, new, self.log)
-                got._install(new, at)
-                return new
+                if self.log is not None:
+                    self.log.replay(got, new.base)
+                if got.schedule is new:
+                    with got.lock:
+                        got._install(new, at)
+                    return new
         return got.commit(new, at)
 
     def get(self, job: str) -> Book | None:

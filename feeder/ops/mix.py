@@ -33,6 +33,16 @@ def _call(target: str, security: ClientSecurity, request, timeout: float):
             raise FeederError(f"{target}: {e.details()}", code=getattr(Code, code.name, Code.INTERNAL)) from None
 
 
+def abort(targets: list[str], job: str, *, security: ClientSecurity = ClientSecurity(), timeout: float = 10.0,
+          out=print) -> None:
+    """End a prepared change on every feeder named."""
+    from feeder.v1 import feeder_pb2 as pb
+
+    for t in targets:
+        _call(t, security, pb.MixRequest(job=job, phase=ABORT), timeout)
+    out(f"job {job}: any mixture change prepared on {len(targets)} feeder(s) was let go")
+
+
 def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_len: int = 0,
         security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, out=print) -> sc.Schedule:
     """Change `job`'s schedule to the one in TOML file `path` (boundaries in the job's progress,

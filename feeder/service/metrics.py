@@ -57,6 +57,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feeder_source_read_seconds": ("histogram", "Time to read one batch's tokens from the source", RANK),
     "feeder_source_samples_total": ("counter", "Samples sent from each source of the rank's mixture",
                                     ("job", "rank", "source")),
+    "feeder_mixture_schedule_version": ("gauge", "A scheduled mixture's schedule version: 0 as the job started, n "
+                                        "after its n-th live change (feeder mix)", ("job",)),
+    "feeder_mixture_share": ("gauge", "Each source's share of a scheduled mixture's progress planned so far: "
+                             "scheduled (the schedule's integral) and actual (samples drawn)",
+                             ("job", "source", "kind")),
     "feeder_bad_records_total": ("counter", "Kafka records skipped under bad_records=skip", RANK),
     "feeder_rank_members": ("gauge", "Open members of a model-parallel rank (docs/model-parallel.md)", RANK),
     "feeder_member_messages_total": ("counter", "A model-parallel rank's messages: built once into its window "
@@ -170,6 +175,12 @@ class EngineCollector:
             for part, lag in sorted(st.lag.items()):
                 fam["feeder_kafka_lag_records"].add_metric([*lab, str(part)], lag)
         e = self.engine
+        for job, book in sorted(e.schedules.jobs().items()):
+            st = book.status()
+            fam["feeder_mixture_schedule_version"].add_metric([job], st["version"])
+            for name, a, w in zip(st["names"], st["actual"], st["scheduled"]):
+                fam["feeder_mixture_share"].add_metric([job, name, "scheduled"], w)
+                fam["feeder_mixture_share"].add_metric([job, name, "actual"], a)
         for key, note in sorted(preparing.current().items()):
             if note["done"] is not None:
                 fam["feeder_preparing_done_ratio"].add_metric([key], note["done"])

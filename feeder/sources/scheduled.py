@@ -27,6 +27,9 @@ from feeder.sources import NO_CONTEXT, Context
 from feeder.sources.mixture import MixturePlan, packed_fingerprint
 
 
+RUN_BATCHES = 16
+
+
 class ProgressPlan(StreamPlan):
     """A StreamPlan whose epochs' order is the identity: its runs' ids are indexes in the
     epoch's global order (what a scheduled mixture is keyed by), whatever `shuffle` says (the
@@ -108,7 +111,9 @@ class ScheduledPlan(MixturePlan):
                                      f"{self.spec.job!r} (two changes under one number)")
 
     def runs(self, max_batches: int = 64):
-        for run in self.inner.runs(max_batches):
+        # (short runs: a live change takes effect past everything planned, so planning far ahead
+        # of what is sent would put it later than it need be)
+        for run in self.inner.runs(min(max_batches, RUN_BATCHES)):
             if run is PENDING:
                 yield run
                 continue

@@ -22,6 +22,40 @@ from tests.chaos.rank import token_hash
 from tests.helpers import reference_ids
 
 
+class ScheduleFills:
+    """What fills each index of an epoch of a scheduled mixture: the sample at progress e*N + i
+    under the scenario's schedule spliced with each live change the run reported taken."""
+
+    blend = None   # (every epoch is listed)
+
+    def __init__(self, run):
+        sc = run.sc
+        self.run, self.sc, self.n = run, sc, run.n
+        self.names = [m[0] for m in sc.mixture]
+        self.sizes = [c.samples(sc.seq_len, sc.packing) for c in run.sources]
+        self._blend = None
+
+    @property
+    def blend_of(self):
+        """Built when first asked (after the run: the changes it reported are known then)."""
+        from tests.schedule_oracle import Blend, Segments
+
+        if self._blend is None:
+            seg = Segments.from_table(self.names, self.run.schedule)
+            for version, at, table in sorted(self.run.mixes, key=lambda m: m[0]):
+                new = Segments.from_table(self.names, table)
+                new = Segments([(a + at, s0 + at, u + at if u else 0, w, t) for a, s0, u, w, t in new.segs])
+                seg = seg.spliced(new, at)
+            self._blend = Blend(seg, len(self.names))
+        return self._blend
+
+    def fills(self, epoch: int) -> list:
+        from tests.schedule_oracle import sample
+
+        return [sample(self.blend_of, self.names, self.sizes, self.sc.data_seed, self.sc.shuffle, epoch * self.n + i,
+                       self.sc.permutation) for i in range(self.n)]
+
+
 class Oracle:
     def __init__(self, run):
         self.run, self.sc, self.n = run, run.sc, run.n
@@ -32,7 +66,12 @@ class Oracle:
         # A mixture: what fills each position (tests/mixture_oracle.py, from the README's rules);
         # a batch's "ids" are then (source, id) pairs, compared and counted as such.
         self.mix = None
-        if self.sc.mixture:
+        self.positions_shuffled = self.sc.shuffle
+        if self.sc.schedule:   # (tests/schedule_oracle.py, from docs/mixtures.md "Schedules")
+            self.mix = ScheduleFills(run)
+            self.positions_shuffled = False   # a scheduled mixture deals progress indexes: the identity order
+            self._fills = {}
+        elif self.sc.mixture:
             from tests.mixture_oracle import Oracle as MixtureOracle
 
             L = self.sc.seq_len
@@ -64,7 +103,7 @@ class Oracle:
             return self.mix.rank(world, rank, epoch, stop=stop)
         key = (world, rank, epoch)
         if key not in self._ref:
-            pos = reference_ids(self.n, world, rank, shuffle=self.sc.shuffle, seed=self.sc.data_seed,
+            pos = reference_ids(self.n, world, rank, shuffle=self.positions_shuffled, seed=self.sc.data_seed,
                                 drop_last=self.sc.drop_last, epoch=epoch, permutation=self.sc.permutation)
             fill = self.fills(epoch)
             self._ref[key] = [fill[p] for p in pos]

@@ -149,7 +149,9 @@ def rank_main(cfg: dict, conn) -> None:
                                  reshard=cfg["reshard"], compression=cfg["compression"],
                                  read_ahead=cfg["read_ahead"], idle_timeout_s=2.0, keepalive_s=5.0,
                                  retry_for_s=cfg["retry_for_s"], prefer="order", failback_s=cfg["failback_s"],
-                                 report_every_s=1.0, pin_memory=False, mixture=cfg["mixture"] or None,
+                                 report_every_s=1.0, pin_memory=False,
+                                 mixture=None if cfg.get("schedule") else cfg["mixture"] or None,
+                                 mixture_schedule=cfg.get("schedule") or None,
                                  permutation=cfg.get("permutation", "torch"),
                                  epoch_samples=cfg.get("epoch_samples", 0), packing=cfg.get("packing", "concat"),
                                  # slow, not dead (issue 45), at the scale of a scenario's seconds

@@ -434,6 +434,31 @@ class ScenarioRun:
         self.phase = 1
         self.stopped: dict[int, int] = {}   # feeder index -> stopped pid
         self.frozen: set[int] = set()       # those stopped by freeze() (stuck), not SIGSTOP
+        # A scheduled mixture (issue 46): its schedule as the ranks give it, and each live change
+        # `feeder mix` reported taken ((version, progress it took effect at, its table)).
+        self.schedule = self.schedule_table(sc.schedule) if sc.schedule else None
+        self.mixes: list[tuple[int, int, list]] = []
+        self.mix_threads: list[threading.Thread] = []
+
+    def schedule_table(self, segs, span: float | None = None, base: int | None = None) -> list[dict]:
+        """The scenario's segments ((share of the run's progress, weights, ramp target)) as
+        mixture_schedule takes them, resolved against this run: its progress starts at
+        start_epoch * N and spans about what its ranks take."""
+        sc = self.sc
+        if span is None:
+            span = max(1, self.total(sc.world) * sc.micro_batch * sc.world)
+        base = sc.start_epoch * self.n if base is None else base
+        names = [m[0] for m in sc.mixture]
+        out, prev = [], 0
+        for frac, w, to in segs:
+            seg = {"weights": dict(zip(names, w))}
+            if frac:
+                until = max(prev + 1, base + int(frac * span))
+                seg["until"], prev = until, until
+                if to:
+                    seg["to"] = dict(zip(names, to))
+            out.append(seg)
+        return out
 
     # -- plan arithmetic
     def batches_per_epoch(self, world: int) -> int:
@@ -503,7 +528,7 @@ class ScenarioRun:
                    pauses=pauses, repasses=repasses, stop_at=stop, step_ms=sc.step_ms, ckpt_every=sc.ckpt_every,
                    mixture=[(name, w) for name, w, _ in sc.mixture], permutation=sc.permutation,
                    epoch_samples=sc.epoch_samples, packing=sc.packing, members=sc.members, cp_size=sc.cp_size,
-                   cp_layout=sc.cp_layout, hedge=sc.hedge)
+                   cp_layout=sc.cp_layout, hedge=sc.hedge, schedule=self.schedule)
         from tests.chaos.rank import rank_main
 
         ctx = rank_context()
@@ -657,8 +682,49 @@ class ScenarioRun:
                 release = False   # held until the newer one has its first batch (or ends)
             elif f.kind == "disagree":
                 self.intrude(inc, f)
+            elif f.kind == "mix":
+                t = threading.Thread(target=self.mix_change, args=(f,), daemon=True)
+                t.start()
+                self.mix_threads.append(t)
         if release:
             self.go(inc)
+
+    def mix_change(self, f: Fault) -> None:
+        """An operator's live change (`feeder mix --relative` on every feeder), tried again until
+        every feeder took it (one may be down or stopped by a fault meanwhile): each version a
+        run reports taken, on some feeders or all, is recorded for the oracle."""
+        import re
+
+        span = max(1, self.total(self.sc.world) * self.sc.micro_batch * self.sc.world)
+        table = self.schedule_table(tuple(json.loads(f.detail)), span=span // 2, base=0)
+        path = self.dir / "mix.toml"
+        lines = []
+        for seg in table:
+            lines.append("[[segment]]")
+            for key in ("until", "weights", "to"):
+                if key in seg:
+                    v = seg[key]
+                    lines.append(f"{key} = " + ("{" + ", ".join(f"{k} = {x!r}" for k, x in v.items()) + "}"
+                                                 if isinstance(v, dict) else str(v)))
+        path.write_text("\n".join(lines) + "\n")
+        self.injected["mix"] += 1
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            targets = [a for fd in self.feeders for a in ("--target", fd.address)]
+            p = subprocess.run([sys.executable, "-m", "feeder.cli", "mix", self.sc.job, "--schedule", str(path),
+                                "--relative", *targets], capture_output=True, text=True, timeout=60)
+            out = p.stdout + p.stderr
+            for v, at in re.findall(r"schedule version (\d+) from progress ([\d,]+)", out):
+                got = (int(v), int(at.replace(",", "")), table)
+                if all(m[0] != got[0] for m in self.mixes):
+                    self.mixes.append(got)
+            (self.dir / "mix.log").open("a").write(out)
+            if p.returncode == 0:
+                return
+            if "serves job" in out and "with a mixture schedule" in out and not self.mixes:
+                time.sleep(0.3)   # (no stream of the job opened yet on any feeder: nothing to change)
+            time.sleep(0.5)
+        self.errors.append(f"feeder mix did not succeed on every feeder within 60 s: {out[-300:]}")
 
     def go(self, inc: Incarnation) -> None:
         try:
@@ -760,7 +826,7 @@ class ScenarioRun:
                 corrupt_t = 0   # the replica every rank tries first
         args = ["--message-bytes", str(sc.message_bytes), "--prefetch-messages", str(sc.prefetch_messages),
                 "--threads", "2"]
-        if sc.kafka or any(f.kind == "cache-damage" for f in sc.faults):
+        if sc.kafka or sc.schedule or any(f.kind == "cache-damage" for f in sc.faults):
             # the feeders of the scenario are one region: a Kafka epoch's snapshot is built once;
             # and the cache a cache-damage fault damages is the scenario's own
             args += ["--cache-dir", str(self.dir / "cache")]
@@ -859,6 +925,8 @@ class ScenarioRun:
             for inc in live:
                 if inc.proc.exitcode is not None and not inc.exited:
                     self.on_exit(inc)
+        for t in self.mix_threads:   # (a live change still being tried: its outcome is the oracle's)
+            t.join(65)
         # Heal what is still broken, so the ledgers are whole, then stop the feeders.
         for t in list(self.stopped):
             self.cont_feeder(t)

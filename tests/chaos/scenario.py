@@ -16,8 +16,9 @@ DRAWN_FIRST = ("sigkill", "sigterm", "sigstop", "reset", "blackhole", "corrupt",
 # take (`slow`: a bandwidth toxic on its link), or none at all (`stuck`: its event loop's thread
 # stopped by ptrace while gRPC's own threads answer pings). Drawn after everything else.
 GRAY_KINDS = ("slow", "stuck")
-# Every kind the generator can draw; the summary counts injected faults by these names.
-FAULT_KINDS = (*DRAWN_FIRST, "cache-damage", *GRAY_KINDS)
+# Every kind the generator can draw; the summary counts injected faults by these names. `mix` is
+# an operator's live change of a scheduled mixture (issue 46: `feeder mix` while ranks read).
+FAULT_KINDS = (*DRAWN_FIRST, "cache-damage", *GRAY_KINDS, "mix")
 # Faults that act on a feeder (or on the link to it) and are healed again: a killed feeder is
 # restarted on its port, a stopped one continued, a proxy's toxic cleared. cache-damage (issue 34)
 # damages every entry of the scenario's cache directory (packings, Kafka snapshots, orders) as a
@@ -45,6 +46,25 @@ CP_SHARE = 0.5   # of those
 GRAY_SHARE = 0.3
 HEDGE_SHARE = 0.3
 GRAY_HEAL_MS = (1500, 3000, 6000)   # how long a feeder stays slow or stuck
+# The share of mixtures (not of 10^9 positions) with a schedule (issue 46), and of those, on
+# feeders of one process, the share whose schedule an operator changes while the ranks read.
+SCHEDULE_SHARE = 0.5
+MIX_CHANGE_SHARE = 0.6
+
+
+def draw_schedule(rng: random.Random, k: int) -> tuple:
+    """1-4 segments ((until as a share of the run's progress, or 0 for the last), weights, ramp
+    target or ()): constant or linear, every source weighted somewhere."""
+    n = rng.randint(1, 4)
+    cuts = sorted(rng.sample(range(1, 20), n - 1))
+    segs = []
+    for j in range(n):
+        w = tuple(rng.choice((0.0, 0.5, 1.0, 2.0, 5.0)) for _ in range(k))
+        w = w if any(w) else (1.0,) + w[1:]
+        last = j == n - 1
+        to = () if last or rng.random() < 0.5 else tuple(rng.choice((0.0, 1.0, 3.0)) + 0.1 for _ in range(k))
+        segs.append((0.0 if last else cuts[j] / 16, w, to))
+    return tuple(segs)
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,9 @@ class Scenario:
     cp_layout: str = "zigzag"
     # Ranks that hedge their reads (issue 45: FeederDataset(hedge=True)).
     hedge: bool = False
+    # A mixture's schedule (issue 46; tests/chaos/scenario.draw_schedule's segments, resolved
+    # against the run's progress by the runner); () = fixed weights. A `mix` fault changes it.
+    schedule: tuple = ()
 
     @property
     def job(self) -> str:
@@ -135,7 +158,8 @@ class Scenario:
                 + (f" epoch_samples={self.epoch_samples}" if self.epoch_samples else "")
                 + (f" members={self.members}" if self.members > 1 else "")
                 + (f" cp={self.cp_size}:{self.cp_layout}" if self.cp_size > 1 else "")
-                + (" hedge" if self.hedge else ""))
+                + (" hedge" if self.hedge else "")
+                + (f" schedule={len(self.schedule)}seg" if self.schedule else ""))
 
     @staticmethod
     def from_seed(seed: int, kinds: tuple[str, ...] | None = None) -> "Scenario":
@@ -188,7 +212,8 @@ class Scenario:
         horizon = max(2, per_epoch * s["num_epochs"] if s["num_epochs"] else s["take"])
         if large:
             horizon = max(2, horizon // 4)   # early, while most of the stream is still ahead
-        pool = [k for k in (kinds if kinds is not None else DRAWN_FIRST) if k != "cache-damage"]   # (drawn last)
+        pool = [k for k in (kinds if kinds is not None else DRAWN_FIRST)
+                if k not in ("cache-damage", "mix")]   # (drawn last)
         faults: list[Fault] = []
         n_faults = rng.choice((1, 1, 2, 2, 3))
         for _ in range(n_faults):
@@ -269,11 +294,24 @@ class Scenario:
                                 target=home if rng.random() < 0.8 else rng.randrange(targets),
                                 heal_ms=rng.choice(GRAY_HEAL_MS)))
         hedge = rng.random() < HEDGE_SHARE
+        # Mixture schedules and their live changes (issue 46), drawn after all else likewise.
+        schedule: tuple = ()
+        wants_mix = kinds is not None and "mix" in kinds
+        if wants_mix and not mixture and not large:
+            mixture = tuple((f"s{i}", 1.0, rng.choice((20, 60, n_docs))) for i in range(rng.choice((2, 3))))
+        if mixture and not epoch_samples and (kinds is None or wants_mix) and (wants_mix or rng.random() < SCHEDULE_SHARE):
+            schedule = draw_schedule(rng, len(mixture))
+            if s["processes"] == 1 and (wants_mix or rng.random() < MIX_CHANGE_SHARE):
+                import json
+
+                faults.append(Fault(kind="mix", at_batch=rng.randint(1, max(1, horizon - 1)),
+                                    rank=rng.randrange(s["world"]),
+                                    detail=json.dumps(draw_schedule(rng, len(mixture)), separators=(",", ":"))))
         # One reshard at most, and it ends phase one: a rank fault after it would hit phase two's ranks.
         return Scenario(**s, faults=tuple(sorted(faults, key=lambda f: (f.at_batch or 0, f.at_ms))),
                         mixture=mixture, permutation=permutation, packing=packing, kafka=kafka,
                         epoch_samples=epoch_samples, members=members, cp_size=cp_size, cp_layout=cp_layout,
-                        hedge=hedge)
+                        hedge=hedge, schedule=schedule)
 
 
 # Seeds that found bugs, pinned to the scenario the generator made of them then: a later change

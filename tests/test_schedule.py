@@ -16,14 +16,13 @@ import pytest
 
 from feeder.core import schedule as sc
 from feeder.core.config import StreamSpec
-from feeder.core.cursor import Cursor
 from feeder.core.errors import FeederError
 from feeder.domain.schedules import Schedules
 from feeder.sources import Context
 from feeder.sources.mixture import MixtureParts
 from tests.helpers import FeederProc, reference_ids
 from tests.schedule_oracle import Blend, Segments, sample
-from tests.test_mixture import SEQ, check_tokens, corpora, sizes_of, source_flags, take  # noqa: F401 (fixture)
+from tests.test_mixture import SEQ, check_tokens, corpora, sizes_of, source_flags  # noqa: F401 (corpora: a fixture)
 
 
 class Part:
@@ -108,7 +107,6 @@ def test_every_sample_of_random_schedules_is_the_references(case):
         for e, i, s, d in got:
             assert (s, d) == sample(blend, names, sizes, seed, True, e * n + i), (r, e, i)
         # resumed from a random cursor (as the feeder writes it after a batch): the rest, exactly
-        runs = list(plan.runs(4)) if False else None
         cut = rng.randint(0, max(0, len(got) - 1))
         plan2 = mp.plan(dataclasses.replace(spec, rank=r), None, ctx)
         taken, cursor = 0, None
@@ -129,7 +127,6 @@ def test_every_sample_of_random_schedules_is_the_references(case):
 
 
 def test_a_world_change_and_a_live_change_mid_epoch_deal_every_index_once_under_the_spliced_schedule():
-    rng = random.Random(4646)
     names = ("web", "code", "math")
     sizes = [900, 400, 250]
     parts = [Part(n, f"fp{d}") for d, n in enumerate(sizes)]
@@ -253,7 +250,7 @@ def _cli(*args, timeout=60):
                           timeout=timeout, env={**os.environ, "COLUMNS": "300"})
 
 
-def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exactly_once(corpora, tmp_path):
+def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exactly_once(corpora, tmp_path):  # noqa: F811
     from feeder_client import FeederDataset
 
     ledger = tmp_path / "ledger.jsonl"
@@ -316,7 +313,7 @@ def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exac
     assert a.returncode == 0 and "exactly once" in a.stdout, a.stdout + a.stderr
 
 
-def test_feeder_mix_refuses_clearly_without_a_traceback(corpora, tmp_path):
+def test_feeder_mix_refuses_clearly_without_a_traceback(corpora, tmp_path):  # noqa: F811
     flags = source_flags(corpora, NAMES)
     f = FeederProc(None, source=flags[1], extra=flags[2:])
     try:
@@ -338,3 +335,30 @@ def test_feeder_mix_refuses_clearly_without_a_traceback(corpora, tmp_path):
         assert p.returncode == 0, p.stderr
     finally:
         f.stop()
+
+
+@pytest.mark.parametrize("policy", ["constant", "shrink"])
+def test_elastic_steps_of_a_scheduled_mixture_are_the_references_at_their_progress(policy):
+    """Live elasticity (a step's part dealt over the replicas live at it) over a schedule: each
+    sample is the reference's at its progress, and each step's indexes are dealt once."""
+    names = ("a", "b", "c")
+    sizes = [200, 120, 40]
+    parts = [Part(n, f"fp{d}") for d, n in enumerate(sizes)]
+    n, seed = sum(sizes), 11
+    table = [{"until": 150, "weights": {"a": 1, "b": 1, "c": 1}, "to": {"a": 0, "b": 1, "c": 4}},
+             {"weights": {"a": 5, "b": 1, "c": 0}}]
+    ctx = Context(schedules=Schedules())
+    mp, spec, _ = plans_of(parts, names, table, world=3, ctx=ctx, epochs=1, drop_last=False, seed=seed,
+                           job=f"el-{policy}", mb=2, global_batch=policy, accumulation=2,
+                           **({"start_replicas": 2} if policy == "constant" else {}))
+    blend = reference(names, sizes, table, seed)
+    by_step: dict = {}
+    for r in range(3):
+        plan = mp.plan(dataclasses.replace(spec, rank=r), None, ctx)
+        for run in plan.runs(4):
+            assert run.cursors is not None   # (an elastic run's own cursors)
+            for i, s, d in zip(run.positions.tolist(), run.sources.tolist(), run.ids.tolist()):
+                assert (s, d) == sample(blend, names, sizes, seed, True, run.epoch * n + i)
+                by_step.setdefault(run.step, []).append(i)
+    seen = [i for step in sorted(by_step) for i in by_step[step]]
+    assert len(set(seen)) == n   # every index of the epoch, in one step each (padding repeats a few)

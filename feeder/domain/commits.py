@@ -22,24 +22,35 @@ log = logging.getLogger("feeder.commits")
 TAIL_BYTES = 1 << 20   # read from the end first: the newest steps are the ones asked for
 
 
+def job_log(root: Path, job: str) -> Path:
+    """A job's log file under `root` (named by the job's hash: any job name is a file name)."""
+    return root / (hashlib.sha256(job.encode()).hexdigest()[:32] + ".log")
+
+
+def append_line(path: Path, line: str) -> None:
+    """One write(2) in append mode (a line under 4 KiB lands whole, whoever else appends);
+    raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 class CommitLog:
     def __init__(self, cache_dir: str):
         self.root = Path(cache_dir) / "elastic"
         self.failed = ""   # why the last record could not be written ("" when it was)
 
     def _path(self, job: str) -> Path:
-        return self.root / (hashlib.sha256(job.encode()).hexdigest()[:32] + ".log")
+        return job_log(self.root, job)
 
     def record(self, job: str, *, step: int, committed: bool, replicas: int, replica: int, cursor: bytes) -> None:
         line = json.dumps({"job": job, "step": step, "committed": committed, "replicas": replicas,
                            "replica": replica, "cursor": cursor.hex()}) + "\n"
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._path(job), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+            append_line(self._path(job), line)
             self.failed = ""
         except OSError as e:   # the trainer goes on: a commit report never blocks or fails a step
             if not self.failed:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 
 from feeder.core import schedule as sc
 from feeder.core.errors import FailedPrecondition
+from feeder.domain.commits import append_line, job_log
 
 log = logging.getLogger("feeder.schedules")
 
@@ -149,18 +149,13 @@ class ScheduleLog:
         self.root = Path(cache_dir) / "schedules"
 
     def _path(self, job: str) -> Path:
-        return self.root / (hashlib.sha256(job.encode()).hexdigest()[:32] + ".log")
+        return job_log(self.root, job)
 
     def record(self, job: str, kind: str, *, at: int, schedule: sc.Schedule) -> None:
         body = json.dumps({"job": job, "kind": kind, "at": at, "schedule": schedule.canonical()}, sort_keys=True)
         line = json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}) + "\n"
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._path(job), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+            append_line(self._path(job), line)
         except OSError as e:   # the change holds here and in every cursor; a restarted feeder learns it from them
             log.warning("job %r: cannot record the mixture schedule's %s in %s: %s", job, kind, self.root, e.strerror)
 

@@ -172,7 +172,7 @@ def cmd_audit(args) -> int:
                 f"{n} {v['samples']}/{'?' if v['expected'] is None else format(v['expected'], 'g')}"
                 for n, v in r["per_source"].items())
                 + ("" if all(v["expected"] is not None for v in r["per_source"].values())
-                   else " (the job's mixture changed: no one set of weights)"))
+                   else " (the job's weights changed, by a remix or a schedule: no one set of weights)"))
     if not results:
         print("no batches in the ledger" + (f" for job {args.job!r}" if args.job else ""))
         return 1

@@ -190,8 +190,8 @@ class Engine:
             opened = {"open": spec.job, "region": self.cfg.region, "n": plan.n, "world": spec.world_size,
                       "rank": spec.rank, "seed": spec.seed, "shuffle": spec.shuffle, "drop_last": spec.drop_last,
                       "fingerprint": plan.fingerprint}
-            if spec.mixture:   # what audit holds the per-source counts against
-                opened["mixture"] = dict(zip(src.names, src.weights))
+            if spec.mixture:   # what audit holds the per-source counts against (a schedule's: no one set)
+                opened["mixture"] = {} if spec.mixture_schedule else dict(zip(src.names, src.weights))
             if spec.elastic:   # what audit holds the committed steps' padding against
                 opened["elastic"] = {"global_batch": spec.global_batch, "start_replicas": spec.start_replicas,
                                      "accumulation": spec.accumulation}

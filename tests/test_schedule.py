@@ -311,6 +311,10 @@ def test_a_live_change_while_ranks_read_switches_every_rank_at_one_position_exac
                                        b.tokens.numpy(), b.cursor) for b in batches])
     a = _cli("audit", str(ledger))
     assert a.returncode == 0 and "exactly once" in a.stdout, a.stdout + a.stderr
+    import json
+
+    changes = [r for r in map(json.loads, ledger.read_text().splitlines()) if "mix" in r]
+    assert [(r["mix"], r["at"], json.loads(r["schedule"])["version"]) for r in changes] == [("live", at, 1)]
 
 
 def test_feeder_mix_refuses_clearly_without_a_traceback(corpora, tmp_path):  # noqa: F811

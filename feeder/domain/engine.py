@@ -141,6 +141,12 @@ class Engine:
         log.info("job %r: mixture schedule version %d from progress %d: %s", job, got.version, at, got.shown())
         return at, got.canonical(), book is not None
 
+    def record_mix(self, job: str, at: int, schedule: str) -> None:
+        """A committed change in the ledger (on the event loop, as every ledger line is written):
+        what the batches after it were drawn under. Audit reads past it."""
+        if self.ledger:
+            self.ledger.write(json.dumps({"mix": job, "at": at, "schedule": schedule}) + "\n")
+
     def mixture(self, spec: StreamSpec, cursor: Cursor | None) -> tuple[MixtureSource, StreamSpec]:
         """The mixture a stream asks for, and its spec with the cursor's epoch_samples where the
         request leaves it open: a remix that adds a source changes the sources' sum, not the

@@ -72,8 +72,11 @@ def audit(paths: list[str], job: str = "") -> list[dict]:
                     rec = json.loads(line)   # bytes: a non-UTF-8 line is a ValueError like any other
                 except (ValueError, RecursionError):
                     raise InputError(f"{path}:{lineno}: not a ledger line") from None
-                if not isinstance(rec, dict) or not ("open" in rec or "commit" in rec or {"job", "epoch"} <= rec.keys()):
+                if not isinstance(rec, dict) or not ("open" in rec or "commit" in rec or "mix" in rec
+                                                     or {"job", "epoch"} <= rec.keys()):
                     raise InputError(f"{path}:{lineno}: not a ledger line")
+                if "mix" in rec:   # a live change of a scheduled mixture: the batches say what they hold
+                    continue
                 if "commit" in rec:   # an elastic job's step ended (committed or not)
                     if not job or rec["commit"] == job:
                         commits[rec["commit"]].append(rec)

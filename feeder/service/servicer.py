@@ -197,6 +197,8 @@ class FeederServicer(pb_grpc.FeederServicer):
     async def Mix(self, request, context):
         at, schedule, known = await asyncio.to_thread(self.engine.mix, request.job, request.phase, request.schedule,
                                                       request.at)
+        if request.phase == 2:
+            self.engine.record_mix(request.job, at, schedule)
         return pb.MixReply(known=known, at=at, schedule=schedule)
 
     async def Report(self, request, context):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from feeder.core.cursor import same_place
 from feeder.core.errors import Code, FeederError
 from feeder.v1 import feeder_pb2 as pb
 
@@ -68,7 +69,7 @@ class Handing:
         if reader.side is not None:
             reader.side.dropped_bytes += len(b.tokens)
         want = self._recent.get(k)
-        if want is not None and want != b.cursor:
+        if want is not None and not same_place(want, b.cursor):
             raise FeederError(f"batch {k} from {reader.target} is not the batch handed over under that number (its "
                               "cursor differs): feeders disagree about this stream", code=Code.INTERNAL)
 

@@ -286,6 +286,40 @@ class Cursor:
                    epoch=epoch, base=base, pos=pos, step=step, src=src, permutation=named.name)
 
 
+def same_place(a: bytes, b: bytes) -> bool:
+    """Whether two cursors (as a rank holds them: unverified bytes) name the same place in the
+    same stream. Equal bytes do; so do two of a scheduled mixture that differ only in the schedule
+    version in force when each was written (a live change splices the schedule past every batch
+    planned, so a batch before it is the same under either: feeder.domain.schedules), provided
+    both schedules started from the same one."""
+    if a == b:
+        return True
+    ka, kb = _place_key(a), _place_key(b)
+    return ka is not None and ka == kb
+
+
+def _place_key(data: bytes) -> bytes | None:
+    """A scheduled mixture's cursor without its schedule's segments and version (keeping the
+    digest it started from) and without its MAC; None for any other cursor."""
+    try:
+        if len(data) < 4 + MAC_LEN or data[:2] != MAGIC or data[2] != VERSION or data[3] != KIND_SCHEDULED:
+            return None
+        at = 4
+        for size in (2, 2):   # job, fingerprint
+            (ln,) = struct.unpack_from(">H", data, at)
+            at += size + ln
+        (sl,) = struct.unpack_from(">I", data, at)
+        src = Scheduled.unpack(data[at + 4:at + 4 + sl])
+        import json
+
+        base = json.loads(src.schedule).get("base", "")
+        kept = Scheduled(names=src.names, fingerprints=src.fingerprints, epoch_samples=src.epoch_samples,
+                         schedule=str(base)).pack()
+        return data[:at] + kept + data[at + 4 + sl:-MAC_LEN]
+    except (struct.error, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def _mac(secret: bytes, body: bytes) -> bytes:
     if _native_mac is not None:   # the same bytes, holding the GIL (why: _native.c's mac)
         return _native_mac(_block_key(bytes(secret or DEV_SECRET)), body)[:MAC_LEN]

@@ -108,6 +108,11 @@ def test_mtls_and_job_tokens_admit_only_what_they_name(secure_feeder, pki, strea
         with pytest.raises(grpc.RpcError) as e2:
             stub.Status(pb.StatusRequest(), metadata=sec(pki).metadata(), timeout=5)
         assert e2.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # nor change job B's mixture schedule (feeder mix is job-scoped: issue 46)
+        with pytest.raises(grpc.RpcError) as e2:
+            stub.Mix(pb.MixRequest(job="B", phase=1), metadata=sec(pki).metadata(), timeout=5)
+        assert e2.value.code() == grpc.StatusCode.PERMISSION_DENIED and "'B'" in e2.value.details()
+        assert not stub.Mix(pb.MixRequest(job="A", phase=1), metadata=sec(pki).metadata(), timeout=5).known
         assert [j.job for j in stub.Status(pb.StatusRequest(job="A"), metadata=sec(pki).metadata(),
                                            timeout=5).jobs] == ["A"]
         # The admin token ("*") sees every job.

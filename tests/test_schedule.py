@@ -388,3 +388,26 @@ def test_regression_chaos_4600018_a_batch_sent_again_across_a_live_change_is_the
     assert cursor(base) != cursor(v1) and same_place(cursor(base), cursor(v1))
     assert not same_place(cursor(base), cursor(v1, pos=12))
     assert not same_place(cursor(base), cursor(other))
+
+
+def test_regression_chaos_4610025_a_change_after_a_restart_lands_past_what_the_process_before_sent(tmp_path):
+    """Soak seed 4610025: a feeder sent a whole epoch, was SIGKILLed and restarted, and no rank
+    opened a stream on the new process before `feeder mix`: the new process knew nothing of the
+    job, the change was put at the other feeder's frontier, and the ranks had consumed samples
+    past it under the old schedule. A feeder now records how far it may plan before it serves
+    it, and a restarted one answers a prepare from that record."""
+    base = sc.parse({"segment": [{"weights": {"a": 1, "b": 1}}]})
+    before = Schedules(str(tmp_path))
+    book = before.book("job", base)
+    book.take(70_001)                      # (a run planned up to progress 70,000)
+    after = Schedules(str(tmp_path))       # the restarted process: no stream of the job yet
+    assert after.get("job") is None
+    again = after.recorded("job")
+    assert again is not None and again.prepare() >= 70_001
+    new = sc.spliced(base, sc.parse({"segment": [{"weights": {"a": 0, "b": 1}}]}), again.hold)
+    with pytest.raises(FeederError, match="past the change"):
+        again.commit(sc.Schedule(names=new.names, segments=new.segments, version=1, base=new.base), sc.BLOCK)
+    assert again.commit(new, again.hold) is new
+    # and a third process, from the log alone, serves version 1 with the hold gone
+    third = Schedules(str(tmp_path)).book("job", base)
+    assert third.version == 1 and third.hold is None and third.take(80_000).version == 1

@@ -127,7 +127,7 @@ class Engine:
                                      "N > 1, and each process plans its own ranks; change it on feeders of one process")
         if phase not in (1, 2, 3):
             raise InvalidArgument(f"Mix phase must be 1 (prepare), 2 (commit) or 3 (abort), got {phase}")
-        book = self.schedules.get(job)
+        book = self.schedules.recorded(job)
         if phase == 1:
             return (book.prepare(), book.schedule.canonical(), True) if book is not None else (0, "", False)
         if phase == 3:

@@ -35,6 +35,10 @@ from feeder.domain.commits import append_line, job_log
 log = logging.getLogger("feeder.schedules")
 
 HOLD_NOTE_S = 30.0
+# How far past what its streams have planned a feeder records that it may plan, before it plans it
+# (a "planned" line): a restarted process replays it, so a change after a restart still lands past
+# everything the process before it sent. One line per this many samples of progress per job.
+PLANNED_STEP = 16 * sc.BLOCK
 
 
 class Book:
@@ -44,6 +48,7 @@ class Book:
         self.job, self.schedule, self._log = job, schedule, log_
         self.changes: list[tuple[int, int]] = []   # (version, at) of each change known here (-1: from a cursor)
         self.planned = 0          # progress below which some stream here has planned (exclusive)
+        self.recorded = 0         # ... and below which the log says it may have (>= planned)
         self.hold: int | None = None
         self._noted = 0.0
         self.lock = threading.Lock()
@@ -68,13 +73,16 @@ class Book:
                                 "committed or aborted (feeder mix, or feeder mix --abort)", self.job, self.hold)
                 raise sc.Pending(f"a change of job {self.job!r}'s mixture schedule is being agreed (at progress "
                                  f"{self.hold:,})")
+            if upto > self.recorded and self._log is not None:   # recorded before it is served
+                self.recorded = -(-upto // PLANNED_STEP) * PLANNED_STEP
+                self._log.record(self.job, "planned", at=self.recorded, schedule=self.schedule)
             self.planned = max(self.planned, upto)
             return self.schedule
 
     def prepare(self) -> int:
         """Stop planning past the next block boundary; where that is."""
         with self.lock:
-            at = -(-self.planned // sc.BLOCK) * sc.BLOCK
+            at = -(-max(self.planned, self.recorded) // sc.BLOCK) * sc.BLOCK
             self.hold = at if self.hold is None else max(self.hold, at)
             self._noted = time.monotonic()
             if self._log is not None:
@@ -102,7 +110,7 @@ class Book:
                 raise FailedPrecondition(f"job {self.job!r}'s mixture schedule here started from {self.schedule.base}"
                                          f" over {list(self.schedule.names)}; the change is of another "
                                          f"({new.base} over {list(new.names)})")
-            if at % sc.BLOCK or at < self.planned:
+            if at % sc.BLOCK or at < max(self.planned, self.recorded):
                 raise FailedPrecondition(f"job {self.job!r}: a stream here has planned up to progress "
                                          f"{self.planned:,}, past the change's {at:,}; nothing was changed here "
                                          "(run feeder mix again)")
@@ -159,11 +167,15 @@ class ScheduleLog:
         except OSError as e:   # the change holds here and in every cursor; a restarted feeder learns it from them
             log.warning("job %r: cannot record the mixture schedule's %s in %s: %s", job, kind, self.root, e.strerror)
 
-    def replay(self, book: Book, base: str) -> None:
-        """Bring a new book to what the log says: the latest schedule of this base, its changes,
-        and a hold promised and not yet ended."""
+    def first(self, job: str) -> sc.Schedule | None:
+        """The schedule of the job's first valid line (None: none): the base its history starts from."""
+        for rec, s in self._records(job):
+            return sc.Schedule(names=s.names, segments=s.segments, version=0, base=s.base) if s.version == 0 else s
+        return None
+
+    def _records(self, job: str):
         try:
-            with open(self._path(book.job), "rb") as f:
+            with open(self._path(job), "rb") as f:
                 lines = f.read().splitlines()
         except OSError:
             return
@@ -175,12 +187,22 @@ class ScheduleLog:
                     continue
                 rec = json.loads(body)
                 s = sc.Schedule.from_canonical(rec["schedule"])
-                kind, at = rec["kind"], int(rec["at"])
+                int(rec["at"])
             except Exception:   # (torn, altered, foreign, or not a schedule: InvalidArgument)
                 continue
-            if rec.get("job") != book.job or s.base != base:
+            if rec.get("job") == job:
+                yield rec, s
+
+    def replay(self, book: Book, base: str) -> None:
+        """Bring a new book to what the log says: the latest schedule of this base, its changes,
+        how far earlier processes may have planned, and a hold promised and not yet ended."""
+        for rec, s in self._records(book.job):
+            if s.base != base:
                 continue
-            if kind == "commit" and s.version > book.schedule.version:
+            kind, at = rec["kind"], int(rec["at"])
+            if kind == "planned":   # (any version's: a process before this one may have sent that far)
+                book.recorded = max(book.recorded, at)
+            elif kind == "commit" and s.version > book.schedule.version:
                 book.schedule = s
                 book.changes.append((s.version, at))
                 book.hold = None
@@ -234,6 +256,20 @@ class Schedules:
     def get(self, job: str) -> Book | None:
         with self._lock:
             return self._books.get(job)
+
+    def recorded(self, job: str) -> Book | None:
+        """The job's book, or one made from the log when no stream of it opened in this process
+        yet (a restarted feeder asked to prepare: what its predecessor planned still counts)."""
+        with self._lock:
+            got = self._books.get(job)
+            if got is not None or self.log is None:
+                return got
+            first = self.log.first(job)
+            if first is None:
+                return None
+            got = self._books[job] = Book(job, first, self.log)
+            self.log.replay(got, first.base)
+            return got
 
     def jobs(self) -> dict[str, Book]:
         with self._lock:

@@ -929,11 +929,11 @@ class ScenarioRun:
             for inc in live:
                 if inc.proc.exitcode is not None and not inc.exited:
                     self.on_exit(inc)
-        for t in self.mix_threads:   # (a live change still being tried: its outcome is the oracle's)
-            t.join(65)
         # Heal what is still broken, so the ledgers are whole, then stop the feeders.
         for t in list(self.stopped):
             self.cont_feeder(t)
+        for t in self.mix_threads:   # (a live change still being tried, now that every feeder answers again:
+            t.join(65)               # its outcome is the oracle's; soak seed 4610023 waited on a frozen feeder)
         while self.timers:
             _, _, fn, args = heapq.heappop(self.timers)
             if fn != self.inject_feeder:   # a fault whose moment came after the end is not injected

@@ -163,10 +163,11 @@ def test_cursor_position_kinds_are_registered_by_their_owners_with_their_release
     from pathlib import Path
 
     from feeder.core import cursor
-    from feeder.core.cursor import Mixture
+    from feeder.core.cursor import Mixture, Scheduled
     from feeder.sources.kafka_positions import KafkaEpoch, KafkaFollow, KafkaFollowMix
 
-    released = {2: KafkaEpoch, 3: KafkaFollow, 4: Mixture, 5: KafkaFollowMix}   # (1: no position)
+    # (1: no position; 6: a scheduled mixture's, issue 46)
+    released = {2: KafkaEpoch, 3: KafkaFollow, 4: Mixture, 5: KafkaFollowMix, 6: Scheduled}
     assert {b: k.type for b, k in cursor._POSITIONS.items()} == released
     tree = ast.parse(Path(cursor.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -19,6 +19,7 @@ from feeder.core.config import StreamSpec
 from feeder.core.errors import FeederError
 from feeder.domain.schedules import Schedules
 from feeder.sources import Context
+from feeder.sources import scheduled  # noqa: F401 (registers the scheduled plan, as a server does)
 from feeder.sources.mixture import MixtureParts
 from tests.helpers import FeederProc, reference_ids
 from tests.schedule_oracle import Blend, Segments, sample

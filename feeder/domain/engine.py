@@ -32,6 +32,7 @@ from feeder.pipeline.reads import Reads, name_threads
 from feeder.pipeline.stream import MemoryBudget, RankStream, default_budget_bytes
 from feeder.domain.siblings import Siblings
 from feeder.sources import Context, Source
+from feeder.sources import scheduled as _scheduled  # noqa: F401 (registers scheduled mixtures' plan)
 from feeder.sources.mixture import MixtureSource
 from feeder.domain.process_status import JobStatus, MemberStatus, ProcessStatus, RankStatus
 

@@ -201,6 +201,7 @@ class FeederServicer(pb_grpc.FeederServicer):
             self.engine.record_mix(request.job, at, schedule)
         return pb.MixReply(known=known, at=at, schedule=schedule)
 
+    @unary
     async def Report(self, request, context):
         if request.has_commit:   # an elastic job's step ended (off the trainer's critical path)
             self.engine.commit(request.job, request.rank, request.committed_step, request.committed,

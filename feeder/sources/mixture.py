@@ -27,6 +27,11 @@ from feeder.sources import NO_CONTEXT, ChunkTable, Context, PerJob, packed_sampl
 from feeder.sources.posix import locate_bounds, locate_rows
 
 
+# A scheduled mixture's plan (feeder.sources.scheduled.ScheduledPlan, which builds on MixturePlan
+# below): registered by that module when it is imported (the engine does), as position kinds are.
+SCHEDULED_PLAN = None
+
+
 def packed_fingerprint(names, tables) -> str:
     """A packed mixture's fingerprint (its cursors'): of its sources' packings, so a cursor of
     concat samples never resumes it."""
@@ -197,9 +202,10 @@ class MixtureParts:
             raise WrongReplica(f"mixture fingerprint mismatch: the job expects {spec.expected_fingerprint}, this "
                                f"feeder's sources {self.name!r} make {self.fingerprint}; refusing to serve other data")
         if spec.mixture_schedule:
-            from feeder.sources.scheduled import ScheduledPlan   # (it builds on MixturePlan)
-
-            return ScheduledPlan(self, spec, cursor, ctx)
+            if SCHEDULED_PLAN is None:
+                raise FailedPrecondition("this feeder cannot serve a scheduled mixture (feeder.sources.scheduled is "
+                                         "not loaded)", elsewhere=True)
+            return SCHEDULED_PLAN(self, spec, cursor, ctx)
         return MixturePlan(self, spec, cursor, ctx)
 
 

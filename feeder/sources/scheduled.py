@@ -24,6 +24,7 @@ from feeder.core.cursor import Cursor, Scheduled
 from feeder.core.errors import FailedPrecondition
 from feeder.core.planning import PENDING, PlannedRun, StreamPlan
 from feeder.sources import NO_CONTEXT, Context
+from feeder.sources import mixture
 from feeder.sources.mixture import MixturePlan, packed_fingerprint
 
 
@@ -40,19 +41,36 @@ class ProgressPlan(StreamPlan):
         yield   # (a generator, as StreamPlan's: it never waits)
 
 
-_PRIVATE = None
+class _Alone:
+    """A job's schedule where no server keeps its live changes (feeder.domain.schedules): tools,
+    tests, audit. The schedule the stream asks for, or a later one a cursor carries."""
+
+    hold = None
+
+    def __init__(self, schedule: sc.Schedule):
+        self.schedule = schedule
+
+    @property
+    def version(self) -> int:
+        return self.schedule.version
+
+    def take(self, upto: int) -> sc.Schedule:
+        return self.schedule
+
+    def adopt(self, newer: sc.Schedule) -> None:
+        if newer.version > self.schedule.version:
+            self.schedule = newer
+
+
+class _NoBooks:
+    def book(self, job: str, base: sc.Schedule) -> _Alone:
+        return _Alone(base)
 
 
 def _books(ctx: Context):
-    global _PRIVATE
+    """The server's books of live changes (Context.schedules), or a plan's own schedule alone."""
     got = getattr(ctx, "schedules", None)
-    if got is not None:
-        return got
-    if _PRIVATE is None:   # (tests, audit, tools: no server, no log)
-        from feeder.domain.schedules import Schedules
-
-        _PRIVATE = Schedules()
-    return _PRIVATE
+    return got if got is not None else _NoBooks()
 
 
 class ScheduledPlan(MixturePlan):
@@ -165,3 +183,5 @@ class ScheduledPlan(MixturePlan):
 class _Names:
     names: tuple[str, ...]
 
+
+mixture.SCHEDULED_PLAN = ScheduledPlan

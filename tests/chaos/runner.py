@@ -932,12 +932,13 @@ class ScenarioRun:
         # Heal what is still broken, so the ledgers are whole, then stop the feeders.
         for t in list(self.stopped):
             self.cont_feeder(t)
-        for t in self.mix_threads:   # (a live change still being tried, now that every feeder answers again:
-            t.join(65)               # its outcome is the oracle's; soak seed 4610023 waited on a frozen feeder)
         while self.timers:
             _, _, fn, args = heapq.heappop(self.timers)
             if fn != self.inject_feeder:   # a fault whose moment came after the end is not injected
                 fn(*args)
+        for t in self.mix_threads:   # a live change still being tried, now that every feeder is back and
+            t.join(65)               # answers: its outcome is the oracle's (seeds 4610023: a feeder still
+                                     # frozen; 4630028: one still to be restarted after a SIGTERM)
         self.cleanup()
         if any(i.repasses for i in self.incs):
             self.injected["repass"] += sum(i.repasses for i in self.incs)

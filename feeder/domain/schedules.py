@@ -48,7 +48,8 @@ class Book:
         self.job, self.schedule, self._log = job, schedule, log_
         self.changes: list[tuple[int, int]] = []   # (version, at) of each change known here (-1: from a cursor)
         self.planned = 0          # progress below which some stream here has planned (exclusive)
-        self.recorded = 0         # ... and below which the log says it may have (>= planned)
+        self.recorded = 0         # ... below which it said in the log it may plan (>= planned)
+        self.replayed = 0         # ... and below which processes before this one said they may have
         self.hold: int | None = None
         self._noted = 0.0
         self.lock = threading.Lock()
@@ -74,7 +75,8 @@ class Book:
                 raise sc.Pending(f"a change of job {self.job!r}'s mixture schedule is being agreed (at progress "
                                  f"{self.hold:,})")
             if upto > self.recorded and self._log is not None:   # recorded before it is served
-                self.recorded = -(-upto // PLANNED_STEP) * PLANNED_STEP
+                step = max(PLANNED_STEP, upto >> 7)   # (a line per ~0.8% of progress past the first blocks)
+                self.recorded = -(-upto // step) * step
                 self._log.record(self.job, "planned", at=self.recorded, schedule=self.schedule)
             self.planned = max(self.planned, upto)
             return self.schedule
@@ -82,7 +84,7 @@ class Book:
     def prepare(self) -> int:
         """Stop planning past the next block boundary; where that is."""
         with self.lock:
-            at = -(-max(self.planned, self.recorded) // sc.BLOCK) * sc.BLOCK
+            at = -(-max(self.planned, self.replayed) // sc.BLOCK) * sc.BLOCK
             self.hold = at if self.hold is None else max(self.hold, at)
             self._noted = time.monotonic()
             if self._log is not None:
@@ -110,7 +112,7 @@ class Book:
                 raise FailedPrecondition(f"job {self.job!r}'s mixture schedule here started from {self.schedule.base}"
                                          f" over {list(self.schedule.names)}; the change is of another "
                                          f"({new.base} over {list(new.names)})")
-            if at % sc.BLOCK or at < max(self.planned, self.recorded):
+            if at % sc.BLOCK or at < max(self.planned, self.replayed):
                 raise FailedPrecondition(f"job {self.job!r}: a stream here has planned up to progress "
                                          f"{self.planned:,}, past the change's {at:,}; nothing was changed here "
                                          "(run feeder mix again)")
@@ -201,7 +203,7 @@ class ScheduleLog:
                 continue
             kind, at = rec["kind"], int(rec["at"])
             if kind == "planned":   # (any version's: a process before this one may have sent that far)
-                book.recorded = max(book.recorded, at)
+                book.replayed = book.recorded = max(book.recorded, at)
             elif kind == "commit" and s.version > book.schedule.version:
                 book.schedule = s
                 book.changes.append((s.version, at))

@@ -175,12 +175,7 @@ class EngineCollector:
             for part, lag in sorted(st.lag.items()):
                 fam["feeder_kafka_lag_records"].add_metric([*lab, str(part)], lag)
         e = self.engine
-        for job, book in sorted(e.schedules.jobs().items()):
-            st = book.status()
-            fam["feeder_mixture_schedule_version"].add_metric([job], st["version"])
-            for name, a, w in zip(st["names"], st["actual"], st["scheduled"]):
-                fam["feeder_mixture_share"].add_metric([job, name, "scheduled"], w)
-                fam["feeder_mixture_share"].add_metric([job, name, "actual"], a)
+        _schedules(fam, e.schedules)
         for key, note in sorted(preparing.current().items()):
             if note["done"] is not None:
                 fam["feeder_preparing_done_ratio"].add_metric([key], note["done"])
@@ -206,6 +201,16 @@ class EngineCollector:
         for kind, count in cache.damaged_counts().items():
             fam["feeder_cache_damaged_total"].add_metric([kind], count)
         yield from fam.values()
+
+
+def _schedules(fam: dict, schedules) -> None:
+    """Each scheduled mixture's version, and its sources' scheduled and actual shares so far."""
+    for job, book in sorted(schedules.jobs().items()):
+        st = book.status()
+        fam["feeder_mixture_schedule_version"].add_metric([job], st["version"])
+        for name, a, w in zip(st["names"], st["actual"], st["scheduled"]):
+            fam["feeder_mixture_share"].add_metric([job, name, "scheduled"], w)
+            fam["feeder_mixture_share"].add_metric([job, name, "actual"], a)
 
 
 def requiring_token(app, tokens):

@@ -233,6 +233,9 @@ def test_a_constant_schedule_blends_as_megatron_and_the_c_loop_as_the_python_one
      "must be past where it starts"),
     ({"segment": [{"weights": {"a": -1, "b": 1}}]}, "finite number >= 0"),
     ({"segment": [{"weights": {"a": 0, "b": 0}}]}, "must not all be 0"),
+    # (outside review: a ramp on the last segment with an end, and weights whose sum overflows)
+    ({"segment": [{"until": 1000, "weights": {"a": 3, "b": 1}, "to": {"a": 1, "b": 1}}]}, "cannot ramp"),
+    ({"segment": [{"weights": {"a": 1e308, "b": 1e308}}]}, "must not all be 0"),
     ({"unit": "bytes", "segment": [{"weights": {"a": 1}}]}, "samples or tokens"),
     ({"segments": []}, "at least one"),
 ])
@@ -412,3 +415,17 @@ def test_regression_chaos_4610025_a_change_after_a_restart_lands_past_what_the_p
     # and a third process, from the log alone, serves version 1 with the hold gone
     third = Schedules(str(tmp_path)).book("job", base)
     assert third.version == 1 and third.hold is None and third.take(80_000).version == 1
+
+
+def test_a_commit_that_rewrites_the_schedule_before_its_point_is_refused():
+    """Outside review: a raw Mix commit of another schedule from 0 was taken, and a resume then
+    returned other samples than were sent."""
+    base = sc.parse({"segment": [{"weights": {"a": 1, "b": 1}}]})
+    book = Schedules().book("rw", base)
+    book.take(300)
+    at = book.prepare()
+    other = sc.parse({"segment": [{"weights": {"a": 0, "b": 1}}]})
+    forged = sc.Schedule(names=other.names, segments=other.segments, version=1, base=base.base)
+    with pytest.raises(FeederError, match="rewrites the schedule before"):
+        book.commit(forged, at)
+    assert book.commit(sc.spliced(base, other, at), at).version == 1

@@ -163,7 +163,10 @@ def _normalized(weights: dict, names: tuple[str, ...], where: str) -> tuple[floa
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise InvalidArgument(f"{where}: the weight of {n!r} must be a finite number >= 0, got {v!r:.40}")
         w.append(float(v))
-    total = math.fsum(w)
+    try:
+        total = math.fsum(w)
+    except OverflowError:
+        total = math.inf
     if total <= 0 or not math.isfinite(total):
         raise InvalidArgument(f"{where}: weights must not all be 0, got {weights!r:.80}")
     return tuple((np.asarray(w, dtype=np.float64) / np.sum(np.asarray(w, dtype=np.float64))).tolist())
@@ -233,7 +236,7 @@ def parse(obj, *, seq_len: int = 0) -> Schedule:
         w = _normalized(seg.get("weights"), names, where)
         to = w
         if "to" in seg:
-            if until is None:
+            if until is None or last:
                 raise InvalidArgument(f"{where}: the last segment has no end, so it cannot ramp to `to`; end it with "
                                       "`until` and add a constant segment after it")
             to = _normalized(seg["to"], names, where)

@@ -112,6 +112,10 @@ class Book:
                 raise FailedPrecondition(f"job {self.job!r}'s mixture schedule here started from {self.schedule.base}"
                                          f" over {list(self.schedule.names)}; the change is of another "
                                          f"({new.base} over {list(new.names)})")
+            before = [g for g in self.schedule.segments if g.at < at]
+            if list(new.segments[:len(before)]) != before:
+                raise FailedPrecondition(f"job {self.job!r}: the change rewrites the schedule before progress {at:,}, "
+                                         "where samples were already planned; a change only splices from its point on")
             if at % sc.BLOCK or at < max(self.planned, self.replayed):
                 raise FailedPrecondition(f"job {self.job!r}: a stream here has planned up to progress "
                                          f"{self.planned:,}, past the change's {at:,}; nothing was changed here "
@@ -245,6 +249,8 @@ class Schedules:
         """A change for the job; a feeder that has not served it yet keeps it for when it does."""
         with self._lock:
             got = self._books.get(job)
+            if got is None and at % sc.BLOCK:
+                raise FailedPrecondition(f"a change takes effect at a multiple of {sc.BLOCK}, got {at}")
             if got is None:   # (no stream of the job yet here: its streams will start from this)
                 got = self._books[job] = Book(job, new, self.log)
                 if self.log is not None:

@@ -61,15 +61,23 @@ def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_
             except FeederError:
                 pass
         raise
-    known = [(t, r) for t, r in prepared if r.known]
-    if not known:
-        raise NotFound(f"no feeder of {', '.join(targets)} serves job {job!r} with a mixture schedule (a job "
-                       "started with mixture_schedule, whose ranks have opened a stream)")
-    current = max((sc.Schedule.from_canonical(r.schedule) for _, r in known), key=lambda s: s.version)
-    at = max(r.at for _, r in known)
-    if relative:
-        change = sc.shifted(change, at)
-    new = sc.spliced(current, change, at)
+    try:
+        known = [(t, r) for t, r in prepared if r.known]
+        if not known:
+            raise NotFound(f"no feeder of {', '.join(targets)} serves job {job!r} with a mixture schedule (a job "
+                           "started with mixture_schedule, whose ranks have opened a stream)")
+        current = max((sc.Schedule.from_canonical(r.schedule) for _, r in known), key=lambda s: s.version)
+        at = max(r.at for _, r in known)
+        if relative:
+            change = sc.shifted(change, at)
+        new = sc.spliced(current, change, at)
+    except Exception:   # (a refused change: every prepared feeder lets its hold go, or its streams would wait)
+        for t, _ in prepared:
+            try:
+                _call(t, security, pb.MixRequest(job=job, phase=ABORT), timeout)
+            except FeederError:
+                pass
+        raise
     failed = []
     for t in targets:
         try:
@@ -79,8 +87,8 @@ def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_
     if failed:
         raise FeederError(f"job {job!r}: schedule version {new.version} from progress {at:,} was taken by "
                           f"{len(targets) - len(failed)} of {len(targets)} feeders; not by " + "; ".join(failed)
-                          + ". Ranks on those feeders wait (up to 30 s) and then go on under the old schedule: "
-                          "run feeder mix again once they are reachable", code=Code.UNAVAILABLE)
+                          + ". Their ranks wait at the change point until it is committed there: run feeder mix again "
+                          "once they are reachable (or feeder mix --abort)", code=Code.UNAVAILABLE)
     out(f"job {job}: mixture schedule version {new.version} from progress {at:,} on {len(targets)} feeder(s): "
         f"{new.shown()}")
     return new

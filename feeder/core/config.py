@@ -216,7 +216,10 @@ class StreamSpec:
             raise InvalidArgument(f"epoch + num_epochs must be at most {UINT32_MAX} (epochs are uint32 on the wire), "
                                   f"got {self.epoch} + {self.num_epochs}")
         _mixture(self.mixture, self.dataset)
-        self._check_schedule()
+        if self.mixture_schedule:
+            from feeder.core.schedule import check_spec   # (the schedule's rules live with it)
+
+            check_spec(self.mixture_schedule, tuple(n for n, _ in self.mixture), self.remix)
         _non_negative("epoch_samples", self.epoch_samples, upper=MAX_EPOCH_SAMPLES)
         for flag in ("shuffle", "drop_last", "reshard", "continued", "hedge", "remix", "boundaries"):
             _flag(flag, getattr(self, flag))
@@ -258,22 +261,6 @@ class StreamSpec:
         if why:
             raise InvalidArgument(why)
         self._check_elastic()
-
-    def _check_schedule(self) -> None:
-        if not self.mixture_schedule:
-            return
-        from feeder.core.schedule import Schedule   # (config is imported by the schedule's errors' users)
-
-        if not isinstance(self.mixture_schedule, str) or len(self.mixture_schedule) > 1 << 20:
-            raise InvalidArgument("mixture_schedule must be a schedule's JSON of at most 1 MiB")
-        sched = Schedule.from_canonical(self.mixture_schedule)
-        names = tuple(n for n, _ in self.mixture)
-        if names != sched.names:
-            raise InvalidArgument(f"a scheduled mixture names its sources in `mixture` as its schedule does: the "
-                                  f"schedule has {list(sched.names)}, mixture has {list(names)}")
-        if self.remix:
-            raise InvalidArgument("remix does not apply to a scheduled mixture: change its schedule from a position "
-                                  "on instead (feeder mix), which every rank follows without a restart")
 
     def _check_elastic(self) -> None:
         if self.global_batch not in GLOBAL_BATCH:

@@ -264,6 +264,19 @@ def _check(s: Schedule) -> None:
         pass   # (a cut ramp stays a ramp past its end only if a later segment follows: checked by use)
 
 
+def check_spec(text, names: tuple[str, ...], remix: bool) -> None:
+    """A stream's mixture_schedule (its canonical JSON), with the `mixture` and `remix` it came with."""
+    if not isinstance(text, str) or len(text) > 1 << 20:
+        raise InvalidArgument("mixture_schedule must be a schedule's JSON of at most 1 MiB")
+    sched = Schedule.from_canonical(text)
+    if names != sched.names:
+        raise InvalidArgument(f"a scheduled mixture names its sources in `mixture` as its schedule does: the "
+                              f"schedule has {list(sched.names)}, mixture has {list(names)}")
+    if remix:
+        raise InvalidArgument("remix does not apply to a scheduled mixture: change its schedule from a position "
+                              "on instead (feeder mix), which every rank follows without a restart")
+
+
 def spliced(old: Schedule, new: Schedule, at: int) -> Schedule:
     """`old` up to progress `at`, `new` from there (version old.version + 1). The sources must be
     the same, in the same order."""

@@ -51,17 +51,9 @@ def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_
 
     change = sc.parse(load_toml(path), seq_len=seq_len)
     prepared = []
-    try:
+    try:   # every prepared feeder lets its hold go if anything fails before the commit, or its streams would wait
         for t in targets:
             prepared.append((t, _call(t, security, pb.MixRequest(job=job, phase=PREPARE), timeout)))
-    except FeederError:
-        for t, _ in prepared:
-            try:
-                _call(t, security, pb.MixRequest(job=job, phase=ABORT), timeout)
-            except FeederError:
-                pass
-        raise
-    try:
         known = [(t, r) for t, r in prepared if r.known]
         if not known:
             raise NotFound(f"no feeder of {', '.join(targets)} serves job {job!r} with a mixture schedule (a job "
@@ -71,7 +63,7 @@ def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_
         if relative:
             change = sc.shifted(change, at)
         new = sc.spliced(current, change, at)
-    except Exception:   # (a refused change: every prepared feeder lets its hold go, or its streams would wait)
+    except Exception:
         for t, _ in prepared:
             try:
                 _call(t, security, pb.MixRequest(job=job, phase=ABORT), timeout)

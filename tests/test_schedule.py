@@ -179,15 +179,15 @@ def test_a_world_change_and_a_live_change_mid_epoch_deal_every_index_once_under_
     assert late.schedule.version == 1
     ctx2 = Context(schedules=fresh)
     plan = mp.plan(dataclasses.replace(spec, world_size=3, rank=0), None, ctx2)
-    tmpl = plan.cursor_template()
-    last = None
-    for run in plan.runs(4):
-        if run.cursors is not None:
-            last = run.cursors[-1]
-    assert last is None   # (no change known here: the template's cursors)
+    plan.cursor_template()
+    runs = plan.runs(4)
+    for _ in range(2):   # (planned short of the change's point: what a feeder that never heard of it may do)
+        assert next(runs).cursors is None   # (no change known here: the template's cursors)
     late_cursor = dataclasses.replace(cursors[0], src=late.pos)
     mp.plan(dataclasses.replace(spec, world_size=4, rank=0), late_cursor, ctx2)
     assert fresh.get("wc").version == 1   # learned from the cursor
+    rest = [(run.epoch, int(i), int(s), int(d)) for run in runs for i, s, d in zip(run.positions, run.sources, run.ids)]
+    assert rest and all((s, d) == sample(blend, names, sizes, seed, True, e * n + i) for e, i, s, d in rest)
 
 
 def test_shares_over_windows_of_100k_samples_are_within_1_percent_of_the_schedule():
@@ -429,3 +429,40 @@ def test_a_commit_that_rewrites_the_schedule_before_its_point_is_refused():
     with pytest.raises(FeederError, match="rewrites the schedule before"):
         book.commit(forged, at)
     assert book.commit(sc.spliced(base, other, at), at).version == 1
+
+
+def test_regression_review_a_change_learned_late_from_a_cursor_past_what_was_served_fails_loudly():
+    """Outside review (issue 46): a feeder with its own cache directory, not a target of `feeder
+    mix`, resumed one rank from a cursor written before a change and served it past the change's
+    point under the old schedule; another rank's cursor then brought the change, and was taken
+    silently, so the two ranks were served by two schedules. Nothing already sent can be taken
+    back: the rank's stream ends, and the cursor that brings the change is refused, each saying
+    what happened and what to do; the feeder serves the change from then on."""
+    names, sizes = ("a", "b"), [600, 400]
+    parts = [Part(n, f"fp{d}") for d, n in enumerate(sizes)]
+    table = [{"weights": {"a": 1, "b": 1}}]
+    here = Context(schedules=Schedules())
+    mp, spec, sched = plans_of(parts, names, table, world=2, ctx=here, epochs=2, drop_last=False, seed=3, job="late")
+    plan0 = mp.plan(dataclasses.replace(spec, rank=0), None, here)
+    tmpl = plan0.cursor_template()
+    first = next(plan0.runs(4))
+    old_cursor = dataclasses.replace(tmpl, pos=int(first.stops[-1]), step=first.step + len(first.stops))
+    book = here.schedules.get("late")
+    at = book.prepare()
+    new = sc.spliced(sched, sc.parse({"segment": [{"weights": {"a": 0, "b": 1}}]}), at)
+    book.commit(new, at)
+    assert sc.diverges(sched, new) == at and sc.diverges(new, new) is None and sc.diverges(sched, sched) is None
+    v1_cursor = dataclasses.replace(old_cursor, src=dataclasses.replace(tmpl.src, schedule=new.canonical()))
+    # another feeder, which never heard of the change: rank 1 resumes from its pre-change cursor
+    there = Context(schedules=Schedules())
+    rank1 = mp.plan(dataclasses.replace(spec, rank=1), dataclasses.replace(old_cursor, rank=1), there)
+    runs1 = rank1.runs(4)
+    while rank1.reached <= at + sc.BLOCK:
+        next(runs1)
+    with pytest.raises(FeederError, match=f"served progress up to .* past change 1 at progress {at:,}"):
+        mp.plan(dataclasses.replace(spec, rank=0), v1_cursor, there)
+    with pytest.raises(FeederError, match=f"this rank was sent progress .* past change 1 at progress {at:,}"):
+        next(runs1)
+    # from then on the feeder serves the change: a rank resumed from before the point gets version 1
+    again = mp.plan(dataclasses.replace(spec, rank=0), v1_cursor, there)
+    assert again.schedule.version == 1

@@ -297,6 +297,21 @@ def spliced(old: Schedule, new: Schedule, at: int) -> Schedule:
     return Schedule(names=old.names, segments=tuple(before + after), version=old.version + 1, base=old.base)
 
 
+def diverges(a: Schedule, b: Schedule) -> int | None:
+    """The first progress (a block boundary) from which `a` and `b` may draw differently; None:
+    they never do. T_d at x depends only on the segments that start at or before x, so two
+    schedules draw alike up to their first differing segment (a live change's point)."""
+    if a.names != b.names:
+        return 0
+    for x, y in zip(a.segments, b.segments):
+        if x != y:
+            return min(x.at, y.at) // BLOCK * BLOCK
+    if len(a.segments) == len(b.segments):
+        return None
+    longer = a if len(a.segments) > len(b.segments) else b
+    return longer.segments[min(len(a.segments), len(b.segments))].at // BLOCK * BLOCK
+
+
 def shifted(s: Schedule, by: int) -> Schedule:
     """The schedule moved `by` samples later (a live change given relative to where it takes effect)."""
     return Schedule(names=s.names, version=s.version, base=s.base, segments=tuple(

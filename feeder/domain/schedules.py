@@ -129,8 +129,22 @@ class Book:
         with self.lock:
             if newer.version <= self.version:
                 return
+            old, planned = self.schedule, self.planned
             self._install(newer, -1)
-            log.info("job %r: mixture schedule version %d learned from a rank's cursor", self.job, newer.version)
+            d = sc.diverges(old, newer)
+            if d is None or planned <= d:
+                log.info("job %r: mixture schedule version %d learned from a rank's cursor", self.job, newer.version)
+                return
+        # Streams here planned past the change under the schedule before it: this feeder never
+        # heard of the change (it was not a target of feeder mix, and its cache directory is not
+        # the one the change was recorded in). What they sent cannot be taken back; say so loudly.
+        msg = (f"job {self.job!r}: this feeder served progress up to {planned:,} under mixture schedule version "
+               f"{old.version}, past change {newer.version} at progress {d:,} that a rank's cursor now brings (the "
+               "change was not recorded in this feeder's cache directory, and feeder mix did not target it): ranks "
+               f"it served past {d:,} were sent the old mixture. Resume every rank from a checkpoint taken before "
+               f"progress {d:,}; this feeder now serves version {newer.version}")
+        log.error("%s", msg)
+        raise FailedPrecondition(msg)
 
     def _install(self, schedule: sc.Schedule, at: int) -> None:
         self.schedule = schedule

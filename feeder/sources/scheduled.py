@@ -99,6 +99,7 @@ class ScheduledPlan(MixturePlan):
         self._perms: dict = {}
         self._named = _Names(src.names)
         self._template: Cursor | None = None
+        self.reached = 0   # progress below which this stream has planned (exclusive)
 
     def _position(self, schedule: sc.Schedule) -> Scheduled:
         return Scheduled(names=self.src.names, fingerprints=self.src.fingerprints, epoch_samples=self.n,
@@ -159,6 +160,20 @@ class ScheduledPlan(MixturePlan):
         self._template = self.inner.cursor_template()
         return self._template
 
+    def _check_switch(self, schedule: sc.Schedule) -> None:
+        """A live change reaches this stream: it must not have planned past the change's point
+        (the hold of feeder mix sees to it). It has only when the change came from a rank's
+        cursor to a feeder that never heard of it (Book.adopt): what this stream sent past the
+        point was drawn under the old schedule, so it ends rather than go on under the new."""
+        d = sc.diverges(self.schedule, schedule)
+        if d is not None and self.reached > d:
+            raise FailedPrecondition(
+                f"job {self.spec.job!r}: this rank was sent progress up to {self.reached:,} under mixture schedule "
+                f"version {self.schedule.version}, past change {schedule.version} at progress {d:,} that this feeder "
+                "learned only later from another rank's cursor (it was not a target of feeder mix and does not share "
+                f"the cache directory the change was recorded in); resume every rank from a checkpoint taken before "
+                f"progress {d:,}")
+
     def _cursors(self, run: PlannedRun) -> tuple[Cursor, ...]:
         if run.cursors is not None:   # (an elastic run's)
             return tuple(dataclasses.replace(c, src=self.pos) for c in run.cursors)
@@ -170,7 +185,11 @@ class ScheduledPlan(MixturePlan):
     def _fill_scheduled(self, run: PlannedRun) -> tuple[np.ndarray, np.ndarray, sc.Schedule]:
         """(source, id within it) of each sample of the run, and the schedule they were drawn under."""
         g = run.epoch * self.n + run.ids
-        schedule = self.book.take(int(g.max()) + 1 if len(g) else 0)
+        upto = int(g.max()) + 1 if len(g) else 0
+        schedule = self.book.take(upto)
+        if schedule is not self.schedule:
+            self._check_switch(schedule)
+        self.reached = max(self.reached, upto)
         slots = sc.slots_of(g, self.spec.seed, self._perms)
         src, draws = sc.blending(schedule).at(slots)
         s = self.spec

@@ -235,7 +235,10 @@ def test_a_constant_schedule_blends_as_megatron_and_the_c_loop_as_the_python_one
     ({"segment": [{"weights": {"a": 0, "b": 0}}]}, "must not all be 0"),
     # (outside review: a ramp on the last segment with an end, and weights whose sum overflows)
     ({"segment": [{"until": 1000, "weights": {"a": 3, "b": 1}, "to": {"a": 1, "b": 1}}]}, "cannot ramp"),
-    ({"segment": [{"weights": {"a": 1e308, "b": 1e308}}]}, "must not all be 0"),
+    ({"segment": [{"weights": {"a": 1e308, "b": 1e308}}]}, "sum overflows"),
+    ({"segment": [{"weights": {}}]}, "weights must be a table"),
+    ({"segment": [{"weights": 3}]}, "weights must be a table"),
+    ({"unit": "tokens", "segment": [{"weights": {"a": 1}}]}, "--seq-len"),
     ({"unit": "bytes", "segment": [{"weights": {"a": 1}}]}, "samples or tokens"),
     ({"segments": []}, "at least one"),
 ])

@@ -167,7 +167,10 @@ def _normalized(weights: dict, names: tuple[str, ...], where: str) -> tuple[floa
         total = math.fsum(w)
     except OverflowError:
         total = math.inf
-    if total <= 0 or not math.isfinite(total):
+    if not math.isfinite(total):
+        raise InvalidArgument(f"{where}: weights too large to add up (their sum overflows a float), got "
+                              f"{weights!r:.80}; scale them down (only their ratios count)")
+    if total <= 0:
         raise InvalidArgument(f"{where}: weights must not all be 0, got {weights!r:.80}")
     return tuple((np.asarray(w, dtype=np.float64) / np.sum(np.asarray(w, dtype=np.float64))).tolist())
 
@@ -203,7 +206,8 @@ def parse(obj, *, seq_len: int = 0) -> Schedule:
     if unit not in ("samples", "tokens"):
         raise InvalidArgument(f"mixture_schedule unit must be samples or tokens, got {unit!r:.40}")
     if unit == "tokens" and seq_len <= 0:
-        raise InvalidArgument("a schedule in tokens needs the stream's seq_len to convert it")
+        raise InvalidArgument("a schedule in tokens needs the stream's seq_len to convert it (seq_len= in the "
+                              "client, --seq-len on the command line)")
     segs = obj.get("segment", obj.get("segments"))
     if not isinstance(segs, list) or not segs:
         raise InvalidArgument("mixture_schedule needs at least one [[segment]] with weights")
@@ -212,7 +216,9 @@ def parse(obj, *, seq_len: int = 0) -> Schedule:
     names = obj.get("sources")
     if names is None:
         first = segs[0].get("weights") if isinstance(segs[0], dict) else None
-        names = list(first) if isinstance(first, dict) else []
+        if not isinstance(first, dict) or not first:
+            _normalized(first, (), "mixture_schedule segment 1")   # (says what the weights must be)
+        names = list(first)
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names) \
             or len(set(names)) != len(names):
         raise InvalidArgument(f"mixture_schedule sources must be distinct source names, got {names!r:.80}")

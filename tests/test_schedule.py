@@ -469,3 +469,13 @@ def test_regression_review_a_change_learned_late_from_a_cursor_past_what_was_ser
     # from then on the feeder serves the change: a rank resumed from before the point gets version 1
     again = mp.plan(dataclasses.replace(spec, rank=0), v1_cursor, there)
     assert again.schedule.version == 1
+    assert mp.plan(dataclasses.replace(spec, rank=1), dataclasses.replace(old_cursor, rank=1), there).schedule.version == 1
+    # and a cursor of the old schedule written past the point (rank 1's, from the stream that went
+    # past it) is refused, as on the feeder that made the change
+    late_pos = (at + sc.BLOCK) // 2
+    for ctx in (there, here):
+        with pytest.raises(FeederError, match=f"version 0 after progress .* past change 1 at {at:,}"):
+            mp.plan(dataclasses.replace(spec, rank=1), dataclasses.replace(old_cursor, rank=1, pos=late_pos), ctx)
+    ok_pos = (at - 1) // 2   # (its last sample, 1 + 2 * (ok_pos - 1), is before the point)
+    assert mp.plan(dataclasses.replace(spec, rank=1), dataclasses.replace(old_cursor, rank=1, pos=ok_pos),
+                   here).schedule.version == 1

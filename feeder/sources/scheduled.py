@@ -124,6 +124,8 @@ class ScheduledPlan(MixturePlan):
                                      f"(digest {theirs.base}) than this stream asks for ({base.base})")
         if theirs.version > self.book.version:
             self.book.adopt(theirs)
+        elif theirs.version < self.book.version:
+            self._check_behind(c, theirs)
         elif theirs.version == self.book.version and theirs.digest != self.book.schedule.digest:
             raise FailedPrecondition(f"cursor does not fit this stream: its mixture schedule version {theirs.version} "
                                      f"differs from this feeder's version {self.book.version} of job "
@@ -159,6 +161,22 @@ class ScheduledPlan(MixturePlan):
     def cursor_template(self) -> Cursor:
         self._template = self.inner.cursor_template()
         return self._template
+
+    def _check_behind(self, c: Cursor, theirs: sc.Schedule) -> None:
+        """A cursor of a schedule before this feeder's: the rank must not have been sent anything
+        past the change's point (it would have been drawn under the old schedule, by a feeder that
+        did not know the change: Book.adopt). Its last sample, where the cursor names it (a
+        DistributedSampler dealing: index base + (rank + (pos-1)*world) mod (N - base))."""
+        d = sc.diverges(theirs, self.book.schedule)
+        if d is None or self.spec.elastic or c.pos <= 0 or c.base >= self.n:
+            return
+        last = c.epoch * self.n + c.base + (c.rank + (c.pos - 1) * c.world_size) % (self.n - c.base)
+        if last >= d:
+            raise FailedPrecondition(
+                f"cursor does not fit this stream: it was written under mixture schedule version {theirs.version} "
+                f"after progress {last:,}, past change {self.book.version} at {d:,} that job {self.spec.job!r} made "
+                "there: a feeder that did not know the change served this rank the old mixture past its point; "
+                f"resume every rank from a checkpoint taken before progress {d:,}")
 
     def _check_switch(self, schedule: sc.Schedule) -> None:
         """A live change reaches this stream: it must not have planned past the change's point

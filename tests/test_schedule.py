@@ -479,3 +479,55 @@ def test_regression_review_a_change_learned_late_from_a_cursor_past_what_was_ser
     ok_pos = (at - 1) // 2   # (its last sample, 1 + 2 * (ok_pos - 1), is before the point)
     assert mp.plan(dataclasses.replace(spec, rank=1), dataclasses.replace(old_cursor, rank=1, pos=ok_pos),
                    here).schedule.version == 1
+
+
+def test_regression_review_a_cursor_of_another_job_changes_nothing_of_this_one():
+    """Outside review: job A's cursor, carrying A's live change, was refused by job B's stream
+    (the job differs) only after B's book had taken A's schedule, and recorded it."""
+    names, sizes = ("a", "b"), [300, 200]
+    parts = [Part(n, f"fp{d}") for d, n in enumerate(sizes)]
+    ctx = Context(schedules=Schedules())
+    table = [{"weights": {"a": 3, "b": 1}}]
+    mp, spec_a, sched = plans_of(parts, names, table, world=1, ctx=ctx, epochs=1, drop_last=False, seed=5, job="A")
+    spec_b = dataclasses.replace(spec_a, job="B")
+    plan_a = mp.plan(spec_a, None, ctx)
+    tmpl = plan_a.cursor_template()
+    next(plan_a.runs(2))
+    mp.plan(spec_b, None, ctx)   # (job B's book, from the same starting schedule)
+    at = ctx.schedules.get("A").prepare()
+    new = sc.spliced(sched, sc.parse({"segment": [{"weights": {"a": 0, "b": 1}}]}), at)
+    ctx.schedules.get("A").commit(new, at)
+    a_cursor = dataclasses.replace(tmpl, pos=3, step=1, src=dataclasses.replace(tmpl.src, schedule=new.canonical()))
+    with pytest.raises(FeederError, match="job differs"):
+        mp.plan(spec_b, a_cursor, ctx)
+    assert ctx.schedules.get("B").version == 0 and ctx.schedules.get("A").version == 1
+
+
+def test_regression_review_a_restarted_feeder_that_served_past_a_change_it_missed_still_says_so(tmp_path):
+    """Outside review: the loud refusal of a change learned late counted only what this process
+    planned; a restart on the same cache directory forgot what its predecessor had served past
+    the change's point, and took the change silently."""
+    base = sc.parse({"segment": [{"weights": {"a": 1, "b": 1}}]})
+    Schedules(str(tmp_path)).book("job", base).take(9_000)   # served past 8,192 under version 0, then killed
+    new = sc.spliced(base, sc.parse({"segment": [{"weights": {"a": 0, "b": 1}}]}), 4096)
+    restarted = Schedules(str(tmp_path)).book("job", base)
+    with pytest.raises(FeederError, match="process before it .* past change 1 at progress 4,096"):
+        restarted.adopt(new)
+    assert restarted.version == 1
+
+
+def test_regression_review_a_change_past_the_segments_a_job_may_hold_is_refused_before_any_feeder_waits():
+    """Outside review: the fourth change of 256 segments made a schedule of more than 1,024, which
+    each feeder refused at the commit ("the first segment must start at 0"), after the prepare:
+    the ranks waited at the change point, and feeder mix again failed the same way. The splice is
+    checked where feeder mix makes it, before any commit, saying why."""
+    names = ("a", "b")
+    big = sc.parse({"segment": [{"until": 10 * (j + 1), "weights": {"a": 1 + j % 3, "b": 1}}
+                                for j in range(sc.MAX_SEGMENTS - 1)] + [{"weights": {"a": 1, "b": 1}}]})
+    s = sc.parse({"segment": [{"weights": {"a": 1, "b": 1}}]})
+    at = 0
+    with pytest.raises(FeederError, match="at most 1024 segments over all its live changes"):
+        for _ in range(5):
+            at += 12 * sc.BLOCK   # (past the last change's segments: each adds all of its own)
+            s = sc.spliced(s, sc.shifted(big, at), at)
+    assert s.version == 3 and len(s.segments) <= sc.MAX_HISTORY and s.names == names

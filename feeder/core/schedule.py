@@ -50,6 +50,7 @@ except ImportError:  # no C compiler at install: the loop below, ~100x slower
 BLOCK = 256             # progress slots shuffled together (and where a live change may take effect)
 EVERY = 4096            # the blending's checkpoint interval (slots)
 MAX_SEGMENTS = 256
+MAX_HISTORY = MAX_SEGMENTS * 4   # segments of a schedule with its live changes spliced in
 MAX_PROGRESS = 1 << 62  # a segment boundary, in samples
 
 
@@ -255,7 +256,11 @@ def parse(obj, *, seq_len: int = 0) -> Schedule:
 
 def _check(s: Schedule) -> None:
     k = len(s.names)
-    if not s.segments or s.segments[0].at != 0 or len(s.segments) > MAX_SEGMENTS * 4:
+    if len(s.segments) > MAX_HISTORY:
+        raise InvalidArgument(f"mixture_schedule: a job's schedule holds at most {MAX_HISTORY} segments over all its "
+                              f"live changes, this one {len(s.segments)} (a change splices its segments in after "
+                              "those already in force): change it with fewer segments, or start a new job")
+    if not s.segments or s.segments[0].at != 0:
         raise InvalidArgument("mixture_schedule: the first segment must start at 0")
     prev = -1
     for seg in s.segments:
@@ -300,7 +305,9 @@ def spliced(old: Schedule, new: Schedule, at: int) -> Schedule:
         after.append(s if s.at >= at else Segment(at=at, start=s.start, until=s.until, weights=s.weights, to=s.to))
     if at == 0:
         before = []
-    return Schedule(names=old.names, segments=tuple(before + after), version=old.version + 1, base=old.base)
+    out = Schedule(names=old.names, segments=tuple(before + after), version=old.version + 1, base=old.base)
+    _check(out)
+    return out
 
 
 def diverges(a: Schedule, b: Schedule) -> int | None:

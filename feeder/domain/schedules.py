@@ -129,20 +129,23 @@ class Book:
         with self.lock:
             if newer.version <= self.version:
                 return
-            old, planned = self.schedule, self.planned
+            # (what processes before this one on its cache directory recorded they may plan counts
+            # too: a restart does not make what they sent right)
+            old, planned = self.schedule, max(self.planned, self.replayed)
             self._install(newer, -1)
             d = sc.diverges(old, newer)
             if d is None or planned <= d:
                 log.info("job %r: mixture schedule version %d learned from a rank's cursor", self.job, newer.version)
                 return
         # Streams here planned past the change under the schedule before it: this feeder never
-        # heard of the change (it was not a target of feeder mix, and its cache directory is not
-        # the one the change was recorded in). What they sent cannot be taken back; say so loudly.
-        msg = (f"job {self.job!r}: this feeder served progress up to {planned:,} under mixture schedule version "
-               f"{old.version}, past change {newer.version} at progress {d:,} that a rank's cursor now brings (the "
-               "change was not recorded in this feeder's cache directory, and feeder mix did not target it): ranks "
-               f"it served past {d:,} were sent the old mixture. Resume every rank from a checkpoint taken before "
-               f"progress {d:,}; this feeder now serves version {newer.version}")
+        # heard of the change (feeder mix did not target it, and it did not start from a cache
+        # directory the change was recorded in). What they sent cannot be taken back; say so loudly.
+        msg = (f"job {self.job!r}: this feeder (or a process before it on its cache directory) served progress up to "
+               f"{planned:,} under mixture schedule version {old.version}, past change {newer.version} at progress "
+               f"{d:,} that a rank's cursor now brings (feeder mix did not target this feeder, and it did not start "
+               f"after the change was recorded in its cache directory): ranks it served past {d:,} were sent the old "
+               f"mixture. Resume every rank from a checkpoint taken before progress {d:,}; this feeder now serves "
+               f"version {newer.version}")
         log.error("%s", msg)
         raise FailedPrecondition(msg)
 

@@ -43,6 +43,18 @@ def abort(targets: list[str], job: str, *, security: ClientSecurity = ClientSecu
     out(f"job {job}: any mixture change prepared on {len(targets)} feeder(s) was let go")
 
 
+def _abort_all(targets: list[str], job: str, security: ClientSecurity, timeout: float) -> None:
+    """Let go of a prepared hold wherever it can (one that cannot be reached keeps it until
+    feeder mix or feeder mix --abort reaches it)."""
+    from feeder.v1 import feeder_pb2 as pb
+
+    for t in targets:
+        try:
+            _call(t, security, pb.MixRequest(job=job, phase=ABORT), timeout)
+        except FeederError:
+            pass
+
+
 def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_len: int = 0,
         security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, out=print) -> sc.Schedule:
     """Change `job`'s schedule to the one in TOML file `path` (boundaries in the job's progress,
@@ -64,18 +76,21 @@ def mix(targets: list[str], job: str, path: str, *, relative: bool = False, seq_
             change = sc.shifted(change, at)
         new = sc.spliced(current, change, at)
     except Exception:
-        for t, _ in prepared:
-            try:
-                _call(t, security, pb.MixRequest(job=job, phase=ABORT), timeout)
-            except FeederError:
-                pass
+        _abort_all([t for t, _ in prepared], job, security, timeout)
         raise
-    failed = []
+    failed, refused = [], 0
     for t in targets:
         try:
             _call(t, security, pb.MixRequest(job=job, phase=COMMIT, schedule=new.canonical(), at=at), timeout)
         except FeederError as e:
             failed.append(f"{t}: {e}")
+            refused += e.code in (Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION)
+    # Refused by every feeder (not lost on the way: a commit whose answer was lost may have been
+    # taken): nothing changed, and no rank need wait for it.
+    if refused == len(targets):
+        _abort_all(targets, job, security, timeout)
+        raise FeederError(f"job {job!r}: no feeder took schedule version {new.version} (nothing changed; each let "
+                          "go of its hold): " + "; ".join(failed), code=Code.FAILED_PRECONDITION)
     if failed:
         raise FeederError(f"job {job!r}: schedule version {new.version} from progress {at:,} was taken by "
                           f"{len(targets) - len(failed)} of {len(targets)} feeders; not by " + "; ".join(failed)

@@ -87,13 +87,14 @@ class ScheduledPlan(MixturePlan):
         self.fingerprint = src.fingerprint if packed is None else packed_fingerprint(src.names, packed)
         base = sc.Schedule.from_canonical(spec.mixture_schedule)
         self.book = _books(ctx).book(spec.job, base)
-        if cursor is not None:
-            self._resume(cursor, base)
+        theirs = self._resume(cursor, base) if cursor is not None else None
         self.schedule = self.book.schedule
         self.pos = self._position(self.schedule)
         self.inner = ProgressPlan(spec, n_tokens=n * spec.seq_len + 1, fingerprint=self.fingerprint, cursor=cursor,
                                   src=self.pos, largest=max(self.sizes), orders=None)
         self.spec = dataclasses.replace(spec, permutation=self.inner.spec.permutation)
+        if theirs is not None:   # (only a cursor the inner plan found to be of this stream: job, seed, ...)
+            self._take_schedule_of(cursor, theirs)
         self.start = self.inner.start
         self.waiting = ""
         self._perms: dict = {}
@@ -105,7 +106,8 @@ class ScheduledPlan(MixturePlan):
         return Scheduled(names=self.src.names, fingerprints=self.src.fingerprints, epoch_samples=self.n,
                          schedule=schedule.canonical())
 
-    def _resume(self, c: Cursor, base: sc.Schedule) -> None:
+    def _resume(self, c: Cursor, base: sc.Schedule) -> sc.Schedule:
+        """The cursor's schedule, once its mixture is this stream's."""
         got = c.src
         if type(got) is not Scheduled:
             raise FailedPrecondition("cursor does not fit this stream: it was not written for a scheduled mixture, and "
@@ -122,11 +124,18 @@ class ScheduledPlan(MixturePlan):
         if theirs.base != base.base:
             raise FailedPrecondition(f"cursor does not fit this stream: its job started from another mixture schedule "
                                      f"(digest {theirs.base}) than this stream asks for ({base.base})")
+        return theirs
+
+    def _take_schedule_of(self, c: Cursor, theirs: sc.Schedule) -> None:
+        """A later schedule a cursor carries is the job's from now on (a change this feeder
+        missed); an earlier one must not have been served past the change since."""
         if theirs.version > self.book.version:
             self.book.adopt(theirs)
+            self.schedule = self.book.schedule
+            self.pos = self.inner.src = self._position(self.schedule)
         elif theirs.version < self.book.version:
             self._check_behind(c, theirs)
-        elif theirs.version == self.book.version and theirs.digest != self.book.schedule.digest:
+        elif theirs.digest != self.book.schedule.digest:
             raise FailedPrecondition(f"cursor does not fit this stream: its mixture schedule version {theirs.version} "
                                      f"differs from this feeder's version {self.book.version} of job "
                                      f"{self.spec.job!r} (two changes under one number)")
@@ -188,9 +197,9 @@ class ScheduledPlan(MixturePlan):
             raise FailedPrecondition(
                 f"job {self.spec.job!r}: this rank was sent progress up to {self.reached:,} under mixture schedule "
                 f"version {self.schedule.version}, past change {schedule.version} at progress {d:,} that this feeder "
-                "learned only later from another rank's cursor (it was not a target of feeder mix and does not share "
-                f"the cache directory the change was recorded in); resume every rank from a checkpoint taken before "
-                f"progress {d:,}")
+                "learned only later from another rank's cursor (feeder mix did not target it, and it did not start "
+                "after the change was recorded in its cache directory); resume every rank from a checkpoint taken "
+                f"before progress {d:,}")
 
     def _cursors(self, run: PlannedRun) -> tuple[Cursor, ...]:
         if run.cursors is not None:   # (an elastic run's)

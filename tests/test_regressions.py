@@ -489,3 +489,29 @@ def test_a_client_killed_mid_stream_leaves_no_error_in_the_feeders_log(dataset, 
     text = log.read_text()
     assert text.count("stream closed job=killed rank=0: cancelled by client") == 3, text[-3000:]
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+
+
+def test_regression_soak_seed_4710286_a_request_its_client_left_does_not_replace_the_ranks_live_stream(dataset):
+    """Soak seed 4710286: a rank moved to a feeder, away and back, while the feeder built a Kafka
+    snapshot; its first request, long cancelled, finished opening after the second and replaced
+    the rank's live stream, which ended FAILED_PRECONDITION ("replaced by a newer stream"). A
+    stream whose client left while it opened is not attached."""
+    from feeder.domain.engine import Engine
+    from feeder.service.wire import encode_reply
+    from feeder.sources.open import load_sources
+
+    async def run():
+        cfg = ServeConfig(source=str(dataset), message_bytes=4096)
+        engine = Engine(cfg, load_sources(cfg), lambda block: encode_reply(block, cfg.region))
+        spec = StreamSpec(job="left-before-open", rank=0, world_size=1, seq_len=16, micro_batch=4)
+        live = await engine.open_stream(spec, b"")
+        with pytest.raises(Unavailable, match="left before its stream opened"):
+            await engine.open_stream(spec, b"", left=lambda: True)
+        from feeder.pipeline.jobs import slot_of
+        assert live._end is None and engine.jobs.get(spec.job).streams[slot_of(spec)] is live
+        newer = await engine.open_stream(spec, b"")   # (a request still there does replace it)
+        assert isinstance(live._end, FeederError) and "replaced by a newer stream" in str(live._end)
+        engine.close_stream(newer, "finished")
+        engine.close()
+
+    asyncio.run(run())

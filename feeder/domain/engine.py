@@ -165,7 +165,10 @@ class Engine:
         return src, dataclasses.replace(spec, epoch_samples=n)
 
     async def open_stream(self, spec: StreamSpec, cursor: bytes, peer: str = "",
-                          failover: bool = False) -> RankStream:
+                          failover: bool = False, left=lambda: False) -> RankStream:
+        """The rank's stream, attached to its job (where it replaces an older one of its slot).
+        `left()` says whether its client went away while it opened (a plan can take seconds: a
+        Kafka epoch's snapshot): such a stream is not attached."""
         self.budget.admit(spec)   # RESOURCE_EXHAUSTED while the open streams hold the whole budget
         src = None if spec.mixture else self.source(spec.dataset)
         names = tuple(n for n, _ in spec.mixture) if spec.mixture else (src.name,)
@@ -183,6 +186,12 @@ class Engine:
         spec = dataclasses.replace(spec, permutation=plan.spec.permutation, epoch_samples=plan.spec.epoch_samples)
         stream = RankStream(spec, plan, self.cfg, self.pool, self.serialize, self.budget)
         stream.reads, stream.read_names = self.reads, names
+        if left():
+            # (soak seed 4710286: a rank moved to this feeder, away, and back while a Kafka
+            # snapshot was built; its first request, long cancelled, opened last and replaced
+            # the rank's live stream here, which then ended FAILED_PRECONDITION)
+            plan.close()
+            raise Unavailable("the client left before its stream opened")
         try:
             stream.state = self.jobs.attach(spec, stream)
         except BaseException:

@@ -115,14 +115,16 @@ class FeederServicer(pb_grpc.FeederServicer):
         engine = self.engine
         try:
             spec = spec_from_request(request, engine)
+            left: list[bool] = []
             opening = asyncio.ensure_future(engine.open_stream(spec, request.cursor, peer=context.peer(),
-                                                               failover=request.failover))
+                                                               failover=request.failover, left=lambda: bool(left)))
             # Opening may take long (a Kafka epoch's snapshot is built first): say so every few
             # seconds, so the rank waits instead of taking the silence for a dead feeder.
             try:
                 while not (await asyncio.wait({opening}, timeout=WAITING_NOTE_S))[0]:
                     yield convert.waiting_reply(engine.cfg.region, preparing.summary())
-            except BaseException:   # the client left while it waited: the stream is dropped once open
+            except BaseException:   # the client left while it waited: the stream is not attached, or dropped once open
+                left.append(True)
                 opening.add_done_callback(functools.partial(_drop_opened, engine))
                 raise
             stream = opening.result()

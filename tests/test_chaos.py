@@ -277,3 +277,30 @@ def test_elastic_scenario(seed):
 @pytest.mark.parametrize("seed", [970373, 970237, 980068, 990455])
 def test_elastic_soak_regression(seed):
     test_elastic_scenario(seed)
+
+
+def test_regression_soak_seed_4720381_a_feeder_whose_port_was_taken_before_its_first_start_takes_another(
+        tmp_path, dataset, monkeypatch):
+    """free_port() says only that a port was free when asked; under `--jobs N` another scenario's
+    process bound it first, the feeder refused to start, and the scenario failed as a harness
+    error. Before anyone knows its address, the harness's feeder takes another port."""
+    import socket
+
+    from tests.chaos import runner
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = runner.free_port
+    monkeypatch.setattr(runner, "free_port", lambda: next(ports, None) or real())
+    fd = runner.Feeder(dataset, [], tmp_path / "ledger.jsonl", tmp_path / "feeder.log", 1)
+    try:
+        fd.wait_ready()
+        assert fd.port != taken.getsockname()[1]
+        assert "the port is taken" in (tmp_path / "feeder.log").read_text()
+        # once started, its address is the ranks': a restart keeps it (and fails rather than move)
+        assert fd.started
+    finally:
+        fd.close()
+        taken.close()

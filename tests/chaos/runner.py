@@ -185,6 +185,7 @@ class Feeder:
         self.proc: subprocess.Popen | None = None
         self.stopped_pid: int | None = None
         self.log = open(log, "a")
+        self.started = False   # (until its first start, nobody knows its address: see wait_ready)
         self.launch()
 
     def start(self) -> None:
@@ -192,6 +193,8 @@ class Feeder:
         self.wait_ready()
 
     def launch(self) -> None:
+        self.log.flush()
+        self.launched_at = self.log_path.stat().st_size
         argv = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(self.source), "--listen",
                 self.address, "--grace", "1", "--ledger", str(self.ledger), *self.args]
         if self.processes > 1:
@@ -200,14 +203,30 @@ class Feeder:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 60
-        line = ""
+        line, tries = "", 0
         while "listening on" not in line:
             line = self.proc.stdout.readline()
             if not line and (self.proc.poll() is not None or time.monotonic() > deadline):
+                if self.proc.poll() is not None and not self.started and tries < 3 and self._port_taken():
+                    # free_port() only says the port was free when asked: another scenario's
+                    # process (the soak runs several at once) bound it before this feeder did
+                    # (seed 4720381). Nobody knows this address yet, so take another.
+                    tries += 1
+                    self.port = free_port()
+                    self.address = f"127.0.0.1:{self.port}"
+                    self.launch()
+                    continue
                 raise RuntimeError(f"feeder did not start (see {self.log_path})")
             self.log.write(line)
+        self.started = True
         # Keep reading its stdout, so a chatty feeder never blocks on a full pipe.
         threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
+
+    def _port_taken(self) -> bool:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            f.seek(self.launched_at)
+            return "the port is taken" in f.read()
 
     def _drain(self, proc) -> None:
         for line in proc.stdout:
@@ -333,6 +352,12 @@ def open_streams_before_intruder(log: Path, skip: int, job: str, rank: int, worl
     return -1
 
 
+def fenced_out(end: dict | None) -> bool:
+    """Whether a rank's process ended refused by the fence: another process holds its slot."""
+    return bool(end) and end.get("end") == "error" and end.get("code") == "FAILED_PRECONDITION" \
+        and "no longer holds this rank" in end.get("msg", "")
+
+
 # ---- ranks -------------------------------------------------------------------------------
 
 _CTX = None
@@ -367,6 +392,7 @@ class Incarnation:
     end: dict | None = None
     exitcode: int | None = None
     release: object = None        # superseded process to let go once this one streams
+    taken_over: bool = False      # a disagreeing intruder restarted the job where nobody streamed it (intrude)
     members: dict | None = None   # the model-parallel members' verdict (tests/chaos/rank.py Shadows)
 
     def parse(self) -> None:
@@ -773,8 +799,15 @@ class ScenarioRun:
             if open_streams_before_intruder(log, skip, sc.job, inc.slot, inc.world):
                 self.intruders.append(f"a rank disagreeing on {f.detail} ({kw[f.detail]}) was served by "
                                       f"{live[0].address} while the job was live there")
-            # else the job's last stream had ended (the whole rest sent) just before the intruder
-            # came: nobody streams it, and it may restart with other parameters (seed 400489)
+            else:
+                # The job's last stream there had ended (the whole rest sent, seed 400489) or moved
+                # to another feeder just before the intruder came: nobody streamed it, so it
+                # restarted with the intruder's parameters, and the intruder, the newest process
+                # of the rank's slot, took it over (pipeline/jobs.fence). The rank's process is
+                # then refused there as replaced, should its stream come back, as a trainer whose
+                # rank another process took; an operator restarts it from its checkpoint, and so
+                # does on_exit (seed 4640073: the intruder's whole-sample slot is member 0's).
+                inc.taken_over = True
         except FeederError as e:
             if e.code != Code.FAILED_PRECONDITION:
                 self.intruders.append(f"a rank disagreeing on {f.detail} got {e.code.name}, expected "
@@ -790,6 +823,8 @@ class ScenarioRun:
         inc.exitcode = inc.proc.exitcode
         inc.conn.close()
         inc.parse()
+        if inc.taken_over and inc.role == "main" and fenced_out(inc.end):
+            inc.killed = True   # (see intrude: restarted from its last checkpoint, checked by position)
         if inc.release is not None:        # the newer one ended before its first batch
             self.go(inc.release)
             inc.release = None

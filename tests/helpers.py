@@ -229,14 +229,29 @@ def launch(cmd: list[str], cwd, what: str, *, limit_s: float, expect_rc: int = 0
 
     import pytest
 
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
-                         text=True, cwd=cwd, env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})),
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGABRT)
-        out, err = p.communicate(timeout=60)
-        pytest.fail(f"{what}: no end after {limit_s} s; the ranks' stacks:\n{out[-12000:]}\n{(err or '')[-20000:]}")
+    for attempt in (1, 2):
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                             text=True, cwd=cwd, env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})),
+                             start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGABRT)
+            out, err = p.communicate(timeout=60)
+            if attempt == 1 and _rendezvous_failed(out + (err or "")):
+                continue
+            pytest.fail(f"{what}: no end after {limit_s} s; the ranks' stacks:\n{out[-12000:]}\n{(err or '')[-20000:]}")
+        if attempt == 1 and (p.returncode == 0) != (expect_rc == 0) and _rendezvous_failed(out + (err or "")):
+            continue
+        break
     assert (p.returncode == 0) == (expect_rc == 0), out[-6000:] + (err or "")[-3000:]
     return out
+
+
+def _rendezvous_failed(text: str) -> bool:
+    """Whether a launch's ranks died making gloo's process group while DeepSpeed's engine
+    started, so before any batch was read: torch.distributed's own start on a loaded 2-core host
+    (`DistNetworkError: Broken pipe` in ProcessGroupGloo, the other ranks then waiting in its
+    rendezvous: the HF Trainer test in a fresh-clone run at 935b057). Such a launch is tried once
+    more: its ranks trained nothing, and the new processes take their ranks over."""
+    return all(mark in text for mark in ("DistNetworkError", "ProcessGroupGloo(", "DeepSpeedEngine("))

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from feeder.core.net import free_port
 from tests.chaos.freeze import freeze, thaw
 from tests.chaos.scenario import FEEDER_FAULTS, Fault, Scenario
 from tests.helpers import byte_stream, make_docs, packed_bins, prep_docs
@@ -180,12 +179,13 @@ class Feeder:
     def __init__(self, source: Path, args: list[str], ledger: Path, log: Path, processes: int):
         self.source, self.args, self.ledger, self.log_path = source, args, ledger, log
         self.processes = processes
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        # Its first start binds any free port and says which (wait_ready); a restart binds that
+        # one again, where the ranks know it. (A port picked free beforehand could be taken by
+        # another scenario's process before the feeder bound it: soak seed 4720381.)
+        self.address = "127.0.0.1:0"
         self.proc: subprocess.Popen | None = None
         self.stopped_pid: int | None = None
         self.log = open(log, "a")
-        self.started = False   # (until its first start, nobody knows its address: see wait_ready)
         self.launch()
 
     def start(self) -> None:
@@ -193,8 +193,6 @@ class Feeder:
         self.wait_ready()
 
     def launch(self) -> None:
-        self.log.flush()
-        self.launched_at = self.log_path.stat().st_size
         argv = [sys.executable, "-m", "feeder.cli", "serve", "--source", str(self.source), "--listen",
                 self.address, "--grace", "1", "--ledger", str(self.ledger), *self.args]
         if self.processes > 1:
@@ -203,30 +201,15 @@ class Feeder:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 60
-        line, tries = "", 0
+        line = ""
         while "listening on" not in line:
             line = self.proc.stdout.readline()
             if not line and (self.proc.poll() is not None or time.monotonic() > deadline):
-                if self.proc.poll() is not None and not self.started and tries < 3 and self._port_taken():
-                    # free_port() only says the port was free when asked: another scenario's
-                    # process (the soak runs several at once) bound it before this feeder did
-                    # (seed 4720381). Nobody knows this address yet, so take another.
-                    tries += 1
-                    self.port = free_port()
-                    self.address = f"127.0.0.1:{self.port}"
-                    self.launch()
-                    continue
                 raise RuntimeError(f"feeder did not start (see {self.log_path})")
             self.log.write(line)
-        self.started = True
+        self.address = line.split("listening on ")[1].split()[0]   # (the port it bound, on its first start)
         # Keep reading its stdout, so a chatty feeder never blocks on a full pipe.
         threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
-
-    def _port_taken(self) -> bool:
-        self.log.flush()
-        with open(self.log_path, errors="replace") as f:
-            f.seek(self.launched_at)
-            return "the port is taken" in f.read()
 
     def _drain(self, proc) -> None:
         for line in proc.stdout:

@@ -233,17 +233,18 @@ def launch(cmd: list[str], cwd, what: str, *, limit_s: float, expect_rc: int = 0
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
                              text=True, cwd=cwd, env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})),
                              start_new_session=True)
+        hung = False
         try:
             out, err = p.communicate(timeout=limit_s)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGABRT)
             out, err = p.communicate(timeout=60)
-            if attempt == 1 and _rendezvous_failed(out + (err or "")):
-                continue
-            pytest.fail(f"{what}: no end after {limit_s} s; the ranks' stacks:\n{out[-12000:]}\n{(err or '')[-20000:]}")
-        if attempt == 1 and (p.returncode == 0) != (expect_rc == 0) and _rendezvous_failed(out + (err or "")):
-            continue
-        break
+            hung = True
+        failed = hung or (p.returncode == 0) != (expect_rc == 0)
+        if not (failed and attempt == 1 and _rendezvous_failed(out + (err or ""))):
+            break
+    if hung:
+        pytest.fail(f"{what}: no end after {limit_s} s; the ranks' stacks:\n{out[-12000:]}\n{(err or '')[-20000:]}")
     assert (p.returncode == 0) == (expect_rc == 0), out[-6000:] + (err or "")[-3000:]
     return out
 

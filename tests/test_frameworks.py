@@ -23,10 +23,19 @@ from tests.helpers import free_port, launch, reference_ids
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "trainer" / "examples"
 SEQ, MB, SEED = 64, 4, 3
+# One launch's limit, a hang guard: a launch takes 20-60 s on an idle 2-core host and twice that
+# on a loaded one (CI at c636b4e: the ZeRO-2 test's three launches passed 240 s in all).
+LAUNCH_S = 240
+
+
+def launches(n: int) -> int:
+    """A test's timeout for n launches: each may run to its own limit, and be tried once more
+    (launch()'s one retry of a rendezvous that failed), before pytest-timeout steps in."""
+    return (n + 1) * LAUNCH_S + 60
 
 
 def torchrun(example: str, address: str, job: str, cwd: Path, *extra: str, expect_rc: int = 0,
-             limit_s: float = 120) -> str:
+             limit_s: float = LAUNCH_S) -> str:
     """One torchrun of 2 CPU ranks; stdout+stderr. A hung run gets SIGABRT (faulthandler
     prints every rank's stacks) and fails the test with them."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -80,13 +89,13 @@ def check_exact_resume(example: str, dataset: Path, stream, tmp: Path, *, steps:
 
 # --- Accelerate -----------------------------------------------------------------------------------
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(3))
 def test_accelerate_exact_with_grad_accum_and_workers_and_resume_by_load_state(dataset, stream, tmp_path):
     check_exact_resume("accelerate_train", dataset, stream, tmp_path, steps=6, save=3, crash=5, grad_accum=2,
                        workers=2, resume_args=("--resume",))
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(4))
 def test_accelerate_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     for workers in ("0", "2"):    # forked workers carry the dispatcher's frames: seen there too
         out = torchrun("accelerate_train", feeder.address, "mistake-dispatch", tmp_path, "--mistake", "dispatch",
@@ -100,7 +109,7 @@ def test_accelerate_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
 
 # --- Hugging Face Trainer -------------------------------------------------------------------------
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(3))
 def test_hf_trainer_exact_with_grad_accum_and_workers_and_resume_from_checkpoint(dataset, stream, tmp_path):
     check_exact_resume("hf_trainer", dataset, stream, tmp_path, steps=6, save=3, crash=5, grad_accum=2,
                        workers=2, resume_args=("--resume",))
@@ -109,7 +118,7 @@ def test_hf_trainer_exact_with_grad_accum_and_workers_and_resume_from_checkpoint
         p.name for p in (tmp_path / "ckpt" / "checkpoint-3").iterdir()}
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(3))
 def test_hf_trainer_with_deepspeed_zero2_is_exact_too(dataset, stream, tmp_path):
     """The issue's case: the Trainer run with --deepspeed (ZeRO-2, on CPU here), the same checks."""
     check_exact_resume("hf_trainer", dataset, stream, tmp_path, steps=4, save=2, crash=3, grad_accum=2,
@@ -118,7 +127,7 @@ def test_hf_trainer_with_deepspeed_zero2_is_exact_too(dataset, stream, tmp_path)
     assert (tmp_path / "ckpt" / "checkpoint-2" / "global_step2").is_dir()   # DeepSpeed's own checkpoint
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(2))
 def test_hf_trainer_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     # a plain Trainer re-batches the dataset and hands it to accelerator.prepare (here with workers too)
     out = torchrun("hf_trainer", feeder.address, "mistake-plain", tmp_path, "--mistake", "plain", "--workers", "2",
@@ -130,7 +139,7 @@ def test_hf_trainer_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
 
 # --- Lightning ------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(3))
 def test_lightning_exact_with_grad_accum_and_workers_and_fit_ckpt_path(dataset, stream, tmp_path):
     """Lightning's fetcher reads a batch ahead of the one trained on: the checkpoint must hold
     the trained one's cursor, or the resumed run would miss a batch per rank."""
@@ -138,7 +147,7 @@ def test_lightning_exact_with_grad_accum_and_workers_and_fit_ckpt_path(dataset, 
                        workers=2, resume_args=("--resume",))
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(launches(3))
 def test_lightning_mistakes_are_refused_with_what_to_do(feeder, tmp_path):
     out = torchrun("lightning_train", feeder.address, "mistake-rebatch", tmp_path, "--mistake", "rebatch", expect_rc=1)
     assert "wrap it in DataLoader(dataset, batch_size=None)" in out

@@ -56,8 +56,8 @@ def test_follow_eight_ranks_on_one_feeder_fetch_each_record_once(kafka_broker, t
     assert (fig["solo"], fig["dropped"]) == (0, 0), fig
 
 
-def test_follow_rank_ten_times_slower_reads_alone_then_rejoins_within_the_window_budget(kafka_broker, tmp_path):
-    """Rank 3 takes 10x as long per batch as the others for most of the topic: the others are
+def test_follow_rank_far_slower_reads_alone_then_rejoins_within_the_window_budget(kafka_broker, tmp_path):
+    """Rank 3 takes 30x as long per batch as the others for most of the topic: the others are
     not held back; the window stays within its budget (16 KiB, ~1/12 of the topic), so rank 3,
     behind it, reads on its own; once it speeds up it catches up and shares the window again.
     Every rank's stream stays exact."""
@@ -70,18 +70,15 @@ def test_follow_rank_ten_times_slower_reads_alone_then_rejoins_within_the_window
         dss, its = open_ranks([srv.address], "slow", seq_len, mb)
         want = [samples_available(docs, WORLD, r, seq_len) // mb for r in range(WORLD)]
         got: list[list] = [[] for _ in range(WORLD)]
-        done_at = [0.0] * WORLD
-        slow_half = [0.0]
+        slow_had = [0] * WORLD          # how many batches the slow rank had when each rank finished
         peak = {"bytes": 0}
         stop = threading.Event()
 
         def rank_loop(r):
             for n in range(want[r]):
                 got[r].append(next(its[r]))
-                time.sleep(0.03 if r == slow and n < 0.8 * want[r] else 0.003)
-                if r == slow and n == want[r] // 2:
-                    slow_half[0] = time.monotonic()
-            done_at[r] = time.monotonic()
+                time.sleep(0.1 if r == slow and n < 0.8 * want[r] else 0.003)
+            slow_had[r] = len(got[slow])
 
         def watch():
             while not stop.is_set():
@@ -103,9 +100,13 @@ def test_follow_rank_ten_times_slower_reads_alone_then_rejoins_within_the_window
     for r in range(WORLD):
         assert len(got[r]) == want[r]
         check_follow(got[r], docs, WORLD, r, seq_len)
-    fast_done = max(t for r, t in enumerate(done_at) if r != slow)
-    assert fast_done < slow_half[0], ("the fast ranks were held back by the slow one",
-                                      [t - slow_half[0] for t in done_at], fig)
+    # Held back, a fast rank could lead the slow one by the window at most (1/12 of the topic), so
+    # it would end only once the slow one was past ~11/12 of its batches. The check is on the slow
+    # rank's progress, not on a clock: on a loaded host the fast ranks are CPU-bound (8 ranks and
+    # the feeder in one process) while the slow one mostly sleeps (CI at c636b4e, a host 2x slower).
+    fast_done = max(n for r, n in enumerate(slow_had) if r != slow)
+    assert fast_done < 0.75 * want[slow], ("the fast ranks were held back by the slow one",
+                                           fast_done, want[slow], fig)
     # Streams read on their own (the slow one once the window dropped what it needed, or from
     # its start when it opened already behind a window this small) and joined the window again.
     assert fig["solo"] >= 1 and fig["rejoined"] >= 1, str(fig)
